@@ -1,0 +1,1 @@
+"""Parts shared by the producer and the Dagster code location: configuration, names, wire format."""

@@ -1,0 +1,250 @@
+"""The one typed configuration model of an application, loaded from `siphon.yaml`.
+
+`${VAR}` anywhere in a string value reads the environment (secrets never live in
+the file). Every error names the file, the table (when there is one) and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+APPLICATION_IDENTIFIER = re.compile(r"^[A-Za-z0-9_.-]+$")
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used, with the place and the fix in its message."""
+
+
+class _Model(BaseModel):
+    # Extra keys are allowed so a deployment can carry its own annotations.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class SourceConfig(_Model):
+    dsn: str
+    snapshot_dsn: str | None = None
+
+    @property
+    def snapshot_or_primary_dsn(self) -> str:
+        return self.snapshot_dsn or self.dsn
+
+
+class QueueConfig(_Model):
+    url: str = "nats://127.0.0.1:4222"
+    # JetStream keeps a message id for this long to drop a resent duplicate.
+    duplicate_window_seconds: int = Field(default=600, ge=1)
+    # Stream replicas in a cluster; 1 on a single server (which then syncs every write).
+    replicas: int = Field(default=1, ge=1, le=5)
+    max_message_bytes: int = Field(default=1_048_576, ge=65_536)
+
+
+class ProducerConfig(_Model):
+    flush_interval_seconds: float = Field(default=3.0, gt=0)
+    max_package_events: int = Field(default=10_000, ge=1)
+    max_package_bytes: int = Field(default=800_000, ge=1024)
+    metrics_port: int = Field(default=9187, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    heartbeat_interval_seconds: float = Field(default=10.0, gt=0)
+    status_interval_seconds: float = Field(default=5.0, gt=0)
+    max_unacked_packages: int = Field(default=64, ge=1)
+    connect_retries: int = Field(default=8, ge=0)
+    # "exit" (default) or "wait" when another producer holds this application's lock.
+    on_lock_held: str = "exit"
+    slot_name: str | None = None
+    publication_name: str | None = None
+
+    @field_validator("on_lock_held")
+    @classmethod
+    def _lock_mode(cls, value: str) -> str:
+        if value not in ("exit", "wait"):
+            raise ValueError("must be 'exit' or 'wait'")
+        return value
+
+
+class TableConfig(_Model):
+    name: str
+    exclude_columns: list[str] = Field(default_factory=list)
+    blocks_per_partition: int = Field(default=8192, ge=1)
+    # What a streaming run does with a package it cannot apply: stop (default),
+    # retry with backoff, or move it to the dead-letter subject and go on.
+    on_error: str = "stop"
+
+    @field_validator("name")
+    @classmethod
+    def _qualified(cls, value: str) -> str:
+        schema, _, table = value.partition(".")
+        if not table:
+            raise ValueError(f"'{value}' must be schema-qualified, e.g. public.{value}")
+        return value
+
+    @field_validator("on_error")
+    @classmethod
+    def _strategy(cls, value: str) -> str:
+        if value not in ("stop", "retry", "dead_letter"):
+            raise ValueError("must be one of stop, retry, dead_letter")
+        return value
+
+    @property
+    def schema_name(self) -> str:
+        return self.name.partition(".")[0]
+
+    @property
+    def table_name(self) -> str:
+        return self.name.partition(".")[2]
+
+
+class ClickHouseTargetConfig(_Model):
+    url: str = "http://127.0.0.1:8123"
+    database: str = "siphon"
+    username: str = "default"
+    password: str = ""
+
+
+class SnowflakeTargetConfig(_Model):
+    account: str
+    user: str
+    password: str = ""
+    database: str = "SIPHON"
+    schema_: str = Field(default="PUBLIC", alias="schema")
+    warehouse: str | None = None
+    role: str | None = None
+    # For a Snowflake-compatible endpoint other than the real service (tests).
+    host: str | None = None
+    port: int | None = None
+    protocol: str | None = None
+
+
+class TargetsConfig(_Model):
+    clickhouse: ClickHouseTargetConfig | None = None
+    snowflake: SnowflakeTargetConfig | None = None
+
+    def configured(self) -> list[str]:
+        return [name for name in ("clickhouse", "snowflake") if getattr(self, name) is not None]
+
+
+class SparkConfig(_Model):
+    # "local[*]" runs Spark in the process; "sc://host:port" is a Spark Connect server.
+    master: str = "local[2]"
+    remote: str | None = None
+    conf: dict[str, str] = Field(default_factory=dict)
+
+
+class StreamingConfig(_Model):
+    batch_max_messages: int = Field(default=200, ge=1)
+    batch_max_bytes: int = Field(default=64_000_000, ge=1024)
+    batch_max_wait_seconds: float = Field(default=1.0, gt=0)
+    max_failures_before_backoff: int = Field(default=3, ge=1)
+
+
+class SiphonConfig(_Model):
+    application_identifier: str
+    source: SourceConfig
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    producer: ProducerConfig = Field(default_factory=ProducerConfig)
+    tables: list[TableConfig]
+    targets: TargetsConfig = Field(default_factory=TargetsConfig)
+    spark: SparkConfig = Field(default_factory=SparkConfig)
+    streaming: StreamingConfig = Field(default_factory=StreamingConfig)
+    snapshot_pool_limit: int = Field(default=2, ge=1)
+
+    @field_validator("application_identifier")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not APPLICATION_IDENTIFIER.match(value):
+            raise ValueError(f"'{value}' may contain only letters, digits, '_', '.' and '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _unique_tables(self) -> SiphonConfig:
+        if not self.tables:
+            raise ValueError("tables: at least one table is needed")
+        seen: set[str] = set()
+        for table in self.tables:
+            if table.name in seen:
+                raise ValueError(f"tables: '{table.name}' is listed twice")
+            seen.add(table.name)
+        return self
+
+    def table(self, name: str) -> TableConfig:
+        for table in self.tables:
+            if table.name == name:
+                return table
+        raise KeyError(f"table '{name}' is not in the configuration of {self.application_identifier}")
+
+
+def _expand_environment(value: Any, where: str) -> Any:
+    if isinstance(value, str):
+
+        def replace(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name not in os.environ:
+                raise ConfigError(f"{where}: environment variable {name} is not set")
+            return os.environ[name]
+
+        return _ENV_REFERENCE.sub(replace, value)
+    if isinstance(value, dict):
+        return {k: _expand_environment(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_environment(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def _describe_location(raw: dict[str, Any], loc: tuple[Any, ...]) -> str:
+    """Turns a pydantic error location into `tables[2] (public.notes).exclude_columns`."""
+    parts: list[str] = []
+    node: Any = raw
+    for item in loc:
+        if isinstance(item, int):
+            label = f"[{item}]"
+            try:
+                node = node[item]
+                if isinstance(node, dict) and "name" in node:
+                    label += f" ({node['name']})"
+            except (IndexError, KeyError, TypeError):
+                node = None
+            parts.append(label)
+        else:
+            parts.append(("." if parts else "") + str(item))
+            node = node.get(item) if isinstance(node, dict) else None
+    return "".join(parts) or "(top level)"
+
+
+def parse_config(raw: Any, source_name: str = "siphon.yaml") -> SiphonConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source_name}: expected a mapping at the top level, got {type(raw).__name__}")
+    expanded = _expand_environment(raw, source_name)
+    try:
+        return SiphonConfig.model_validate(expanded)
+    except ValidationError as error:
+        lines = []
+        for problem in error.errors():
+            where = _describe_location(expanded, tuple(problem["loc"]))
+            lines.append(f"{source_name}: {where}: {problem['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> SiphonConfig:
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: configuration file not found") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{file}: not valid YAML: {error}") from None
+    return parse_config(raw, str(file))
+
+
+def load_config_from_environment(variable: str = "SIPHON_CONFIG") -> SiphonConfig:
+    path = os.environ.get(variable)
+    if not path:
+        raise ConfigError(f"{variable} is not set; point it at the application's siphon.yaml")
+    return load_config(path)

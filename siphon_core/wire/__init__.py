@@ -1,0 +1,1 @@
+"""The wire format: generated protobuf messages, package compression and row tuples."""

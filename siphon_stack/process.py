@@ -1,0 +1,129 @@
+"""Starting, watching and stopping the processes of the local stack, by the ids we started."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+class StackError(RuntimeError):
+    """A service of the local stack could not be started or reached; the message says what to do."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def port_accepts(port: int, host: str = "127.0.0.1") -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as gone.
+    with contextlib.suppress(ChildProcessError):
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][:1] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def start_process(
+    name: str,
+    argv: Sequence[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    preexec: Callable[[], None] | None = None,
+) -> subprocess.Popen[bytes]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            # Own process group: a Ctrl-C in the caller's terminal does not hit it,
+            # and stopping it stops its children too.
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
+    except FileNotFoundError as error:
+        raise StackError(f"{name}: cannot start {argv[0]}: {error}") from None
+    finally:
+        log.close()
+
+
+def wait_until(
+    name: str,
+    ready: Callable[[], bool],
+    timeout: float,
+    pid: int | None = None,
+    log_path: Path | None = None,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        if pid is not None and not pid_alive(pid):
+            raise StackError(f"{name} exited during start-up{_log_tail(log_path)}")
+        time.sleep(0.1)
+    raise StackError(f"{name} was not ready after {timeout:.0f}s{_log_tail(log_path)}")
+
+
+def _log_tail(log_path: Path | None, lines: int = 15) -> str:
+    if log_path is None or not log_path.exists():
+        return ""
+    tail = log_path.read_text(errors="replace").splitlines()[-lines:]
+    return f"; last lines of {log_path}:\n  " + "\n  ".join(tail)
+
+
+def stop_pid(pid: int, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
+    """Stops the process group we started (its leader is `pid`), escalating to SIGKILL."""
+    if not pid_alive(pid):
+        return
+    for target in (lambda s: os.killpg(pid, s), lambda s: os.kill(pid, s)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            target(sig)
+            break
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
