@@ -1,33 +1,78 @@
-"""Shared fixtures: the real local stack, started once per test session, and per-test isolation."""
+"""Shared fixtures: real services on loopback, each started once per test session on first use and
+stopped by the process id we started; per-test isolation by unique names."""
 
 from __future__ import annotations
 
-import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from siphon_stack.nats import NatsServer
+from siphon_stack.postgres import PostgresServer, find_bindir
+from siphon_stack.process import free_port, port_accepts, start_process, stop_pid, wait_until
+from siphon_stack.snowflake import FakesnowServer
+
 
 @pytest.fixture(scope="session")
-def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Every service of `siphon-stack` on free loopback ports; stopped by the pids we started.
-
-    SIPHON_TEST_STACK_DIR reuses a stack a developer already started (it is then left running).
-    """
-    from siphon_stack import stack
-
-    existing = os.environ.get("SIPHON_TEST_STACK_DIR")
-    if existing:
-        yield stack.status(Path(existing)).environment
-        return
-    directory = tmp_path_factory.mktemp("stack")
-    state = stack.up(directory, with_snowflake=True)
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    server = PostgresServer(tmp_path_factory.mktemp("postgres"), free_port(), find_bindir())
+    server.initialize()
+    pid = server.start()
+    server.pid = pid  # type: ignore[attr-defined]  # tests that restart PostgreSQL need it
     try:
-        yield state.environment
+        yield server
     finally:
-        stack.down(directory)
+        server.stop(server.pid)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn(postgres_server: PostgresServer) -> str:
+    return postgres_server.dsn
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("nats"), free_port(), free_port())
+    server.pid = server.start()  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        stop_pid(server.pid)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: NatsServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def clickhouse_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("clickhouse")
+    port = free_port()
+    log = root / "clickhouse.log"
+    process = start_process(
+        "siphon-clickhouse",
+        [sys.executable, "-m", "siphon_stack.clickhouse_server", "--data-dir", str(root / "data"), "--port", str(port)],
+        log,
+    )
+    wait_until("embedded ClickHouse", lambda: port_accepts(port), 90.0, pid=process.pid, log_path=log)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_pid(process.pid)
+
+
+@pytest.fixture(scope="session")
+def snowflake_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    server = FakesnowServer(tmp_path_factory.mktemp("fakesnow"), free_port())
+    pid = server.start()
+    try:
+        yield server.environment()
+    finally:
+        stop_pid(pid)
 
 
 @pytest.fixture
@@ -35,3 +80,9 @@ def unique_name(request: pytest.FixtureRequest) -> str:
     """A short identifier unique to this test, usable as a schema, slot, stream or database name."""
     base = "".join(ch if ch.isalnum() else "_" for ch in request.node.name.lower())[:24].strip("_")
     return f"t_{base}_{uuid.uuid4().hex[:8]}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/integration" in str(Path(str(item.fspath))):
+            item.add_marker(pytest.mark.integration)
