@@ -52,7 +52,7 @@ class Row(_message.Message):
     def __init__(self, tuple: _Optional[bytes] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("operation", "xid", "commit_lsn", "position", "commit_time_us", "new_row", "old_row", "old_row_is_full", "old_row_is_key", "last_in_transaction")
+    __slots__ = ("operation", "xid", "commit_lsn", "position", "commit_time_us", "new_row", "old_row", "old_row_is_full", "old_row_is_key")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_LSN_FIELD_NUMBER: _ClassVar[int]
@@ -62,7 +62,6 @@ class Event(_message.Message):
     OLD_ROW_FIELD_NUMBER: _ClassVar[int]
     OLD_ROW_IS_FULL_FIELD_NUMBER: _ClassVar[int]
     OLD_ROW_IS_KEY_FIELD_NUMBER: _ClassVar[int]
-    LAST_IN_TRANSACTION_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     xid: int
     commit_lsn: int
@@ -72,8 +71,7 @@ class Event(_message.Message):
     old_row: Row
     old_row_is_full: bool
     old_row_is_key: bool
-    last_in_transaction: bool
-    def __init__(self, operation: _Optional[_Union[Operation, str]] = ..., xid: _Optional[int] = ..., commit_lsn: _Optional[int] = ..., position: _Optional[int] = ..., commit_time_us: _Optional[int] = ..., new_row: _Optional[_Union[Row, _Mapping]] = ..., old_row: _Optional[_Union[Row, _Mapping]] = ..., old_row_is_full: _Optional[bool] = ..., old_row_is_key: _Optional[bool] = ..., last_in_transaction: _Optional[bool] = ...) -> None: ...
+    def __init__(self, operation: _Optional[_Union[Operation, str]] = ..., xid: _Optional[int] = ..., commit_lsn: _Optional[int] = ..., position: _Optional[int] = ..., commit_time_us: _Optional[int] = ..., new_row: _Optional[_Union[Row, _Mapping]] = ..., old_row: _Optional[_Union[Row, _Mapping]] = ..., old_row_is_full: _Optional[bool] = ..., old_row_is_key: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "count")
@@ -84,7 +82,7 @@ class Chunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Package(_message.Message):
-    __slots__ = ("application_identifier", "schema", "table", "relation_id", "columns", "events", "value_encoding", "first_commit_lsn", "first_position", "last_commit_lsn", "last_position", "chunk", "producer_version")
+    __slots__ = ("application_identifier", "schema", "table", "relation_id", "columns", "events", "value_encoding", "first_commit_lsn", "first_position", "last_commit_lsn", "last_position", "chunk", "producer_version", "event_chunk", "sequence")
     APPLICATION_IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +96,8 @@ class Package(_message.Message):
     LAST_POSITION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVENT_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     application_identifier: str
     schema: str
     table: str
@@ -111,4 +111,6 @@ class Package(_message.Message):
     last_position: int
     chunk: Chunk
     producer_version: str
-    def __init__(self, application_identifier: _Optional[str] = ..., schema: _Optional[str] = ..., table: _Optional[str] = ..., relation_id: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., value_encoding: _Optional[_Union[ValueEncoding, str]] = ..., first_commit_lsn: _Optional[int] = ..., first_position: _Optional[int] = ..., last_commit_lsn: _Optional[int] = ..., last_position: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., producer_version: _Optional[str] = ...) -> None: ...
+    event_chunk: bytes
+    sequence: int
+    def __init__(self, application_identifier: _Optional[str] = ..., schema: _Optional[str] = ..., table: _Optional[str] = ..., relation_id: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., value_encoding: _Optional[_Union[ValueEncoding, str]] = ..., first_commit_lsn: _Optional[int] = ..., first_position: _Optional[int] = ..., last_commit_lsn: _Optional[int] = ..., last_position: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., producer_version: _Optional[str] = ..., event_chunk: _Optional[bytes] = ..., sequence: _Optional[int] = ...) -> None: ...

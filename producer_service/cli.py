@@ -1,0 +1,84 @@
+"""`siphon-producer run --config siphon.yaml`: runs until SIGTERM/SIGINT, then flushes, acks and exits 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import psycopg
+
+from producer_service.ownership import LockHeldError
+from producer_service.publication import SourceSetupError
+from producer_service.replication import ReplicationError
+from producer_service.service import ProducerService
+from siphon_core import logs
+from siphon_core.config import ConfigError, SiphonConfig, load_config
+from siphon_core.queue import QueueError
+
+log = logs.get_logger("producer")
+
+# Failures worth a reconnect: the source or the queue went away for a while.
+_TRANSIENT = (psycopg.OperationalError, ReplicationError, QueueError, ConnectionError, OSError)
+
+
+async def run_until_stopped(config: SiphonConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    service: ProducerService | None = None
+
+    def on_signal() -> None:
+        stopping.set()
+        if service is not None:
+            service.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+    failures = 0
+    retries = config.producer.connect_retries
+    while not stopping.is_set():
+        service = ProducerService(config)
+        try:
+            await service.run()
+            return 0
+        except _TRANSIENT as error:
+            failures += 1
+            if failures > retries:
+                log.error("giving up after repeated connection failures", attempts=failures, error=str(error))
+                return 1
+            delay = min(30.0, 0.5 * 2 ** (failures - 1))
+            log.warning("connection lost; reconnecting", attempt=failures, retry_in_seconds=delay, error=str(error))
+            try:
+                await asyncio.wait_for(stopping.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+        # A stream that ran long enough to confirm progress earns a fresh retry budget.
+        if service.confirmed_lsn:
+            failures = min(failures, 1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="siphon-producer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="stream the configured tables to JetStream until stopped")
+    run.add_argument("--config", required=True, help="path to siphon.yaml")
+    run.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logs.configure(args.log_level)
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        print(f"siphon-producer: invalid configuration:\n{error}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run_until_stopped(config))
+    except (LockHeldError, SourceSetupError) as error:
+        print(f"siphon-producer: {error}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

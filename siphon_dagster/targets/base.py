@@ -1,0 +1,130 @@
+"""The one interface every analytical target implements; nothing above it branches on a target's name.
+
+Values cross this seam in PostgreSQL's text output form (what pgoutput and COPY produce), so the
+snapshot and the stream share one conversion, done by the target database itself in SQL, and a
+value is never reinterpreted by Python on the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import pyarrow as pa
+
+# Columns every target table carries beside the source's columns.
+VERSION_COLUMN = "_siphon_version"
+DELETED_COLUMN = "_siphon_deleted"
+SYNCED_AT_COLUMN = "_siphon_synced_at"
+META_COLUMNS = (VERSION_COLUMN, DELETED_COLUMN, SYNCED_AT_COLUMN)
+
+# Arrow layout of a change batch handed to `apply_rows`: one nullable string column per source
+# column (PostgreSQL text output), then the version and the delete flag.
+VERSION_ARROW_TYPE = pa.decimal128(38, 0)
+
+
+@dataclass(frozen=True)
+class SourceColumn:
+    name: str
+    type_oid: int
+    type_name: str  # format_type(atttypid, atttypmod), e.g. "numeric(12,2)", "character varying(40)[]"
+    type_modifier: int = -1
+    nullable: bool = True
+    primary_key: bool = False
+    # For arrays, enums, domains and ranges: what the type is built on (from pg_type).
+    category: str = ""  # pg_type.typcategory, e.g. 'A' array, 'E' enum, 'R' range, 'U' user
+    element_type_oid: int = 0
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    """A source table as replicated: its columns minus excluded ones, in source order."""
+
+    schema: str
+    table: str
+    columns: tuple[SourceColumn, ...]
+
+    @property
+    def key_columns(self) -> tuple[SourceColumn, ...]:
+        return tuple(c for c in self.columns if c.primary_key)
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    def column(self, name: str) -> SourceColumn:
+        for column in self.columns:
+            if column.name == name:
+                return column
+        raise KeyError(f"{self.schema}.{self.table} has no column {name!r}")
+
+
+@dataclass(frozen=True)
+class TargetColumn:
+    name: str
+    type: str  # the target's own spelling of the type
+
+
+@dataclass
+class SchemaChange:
+    created: bool = False
+    added_columns: list[str] = field(default_factory=list)
+    # Columns whose source type changed in a way the target cannot follow.
+    incompatible: list[str] = field(default_factory=list)
+
+
+class TargetError(RuntimeError):
+    """A target refused an operation; the message names the table and what to do."""
+
+
+def change_batch_schema(table: TableSchema) -> pa.Schema:
+    fields = [pa.field(c.name, pa.string()) for c in table.columns]
+    fields.append(pa.field(VERSION_COLUMN, VERSION_ARROW_TYPE, nullable=False))
+    fields.append(pa.field(DELETED_COLUMN, pa.bool_(), nullable=False))
+    return pa.schema(fields)
+
+
+@runtime_checkable
+class Target(Protocol):
+    """An analytical database kept converged with the source by the version rule.
+
+    Version rule: a row version replaces the stored row only if it is greater; a delete leaves a
+    tombstone carrying its version; readers see the latest version that is not deleted.
+    """
+
+    name: str  # "clickhouse" or "snowflake": used for asset keys and job names only
+
+    def ensure_table(self, table: TableSchema) -> SchemaChange:
+        """Creates the versioned table and its current-rows view, or adds new source columns."""
+
+    def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
+        """Applies a change batch laid out as `change_batch_schema(table)`; returns rows written."""
+
+    def apply_copy_text(self, table: TableSchema, chunks: Iterable[bytes], version: int) -> int:
+        """Applies rows in PostgreSQL's COPY text format (a snapshot), all with one version."""
+
+    def tombstone_all(self, table: TableSchema, version: int) -> int:
+        """TRUNCATE: every current row gets a tombstone with `version` (older rows only)."""
+
+    def read_current_values(
+        self, table: TableSchema, keys: Sequence[tuple[str, ...]], columns: Sequence[str]
+    ) -> dict[tuple[str, ...], dict[str, str | None]]:
+        """Current (not deleted) values of `columns` for primary keys given as text, as PostgreSQL text."""
+
+    def current_rows_as_text(self, table: TableSchema) -> list[tuple[str | None, ...]]:
+        """Every current row, each value rendered back to PostgreSQL's text output, ordered by key."""
+
+    def count_current(self, table: TableSchema) -> int:
+        """Number of current (latest, not deleted) rows."""
+
+    def max_version(self, table: TableSchema) -> int:
+        """Greatest version stored (0 for an empty table)."""
+
+    def describe_columns(self, table: TableSchema) -> list[TargetColumn]:
+        """The target table's columns as the target reports them (meta columns included)."""
+
+    def drop_table(self, table: TableSchema) -> None:
+        """Drops the table and its view (resync rebuilds it)."""
+
+    def close(self) -> None: ...
