@@ -52,25 +52,27 @@ def decode_tuple(data: Buffer, offset: int = 0) -> tuple[list[Value], int]:
     """The values of the tuple starting at `offset`, and the offset just past it."""
     if not isinstance(data, bytes):
         data = bytes(data)  # one copy, so each value below is a bytes slice, not a view
+    # Locals, not globals, in the loop: this is the consumers' hottest code.
+    text, null, unchanged, binary, unpack_length = _TEXT, _NULL, _UNCHANGED, _BINARY, _unpack_length
     try:
         (count,) = _unpack_count(data, offset)
         pos = offset + 2
         values: list[Value] = [None] * count
         for index in range(count):
             kind = data[pos]
-            # Ordered by frequency; the loop avoids any per-value object beyond the value itself.
-            if kind == _TEXT:
-                (length,) = _unpack_length(data, pos + 1)
+            # Ordered by frequency; the loop makes no object beyond the value itself.
+            if kind == text:
+                (length,) = unpack_length(data, pos + 1)
                 pos += 5
                 values[index] = data[pos : pos + length]
                 pos += length
-            elif kind == _NULL:
+            elif kind == null:
                 pos += 1
-            elif kind == _UNCHANGED:
+            elif kind == unchanged:
                 values[index] = UNCHANGED_TOAST
                 pos += 1
-            elif kind == _BINARY:
-                (length,) = _unpack_length(data, pos + 1)
+            elif kind == binary:
+                (length,) = unpack_length(data, pos + 1)
                 pos += 5
                 values[index] = data[pos : pos + length]
                 pos += length
@@ -85,14 +87,15 @@ def decode_tuple(data: Buffer, offset: int = 0) -> tuple[list[Value], int]:
 
 def tuple_end(data: Buffer, offset: int = 0) -> int:
     """The offset just past the tuple starting at `offset`, reading only kinds and lengths."""
+    text, null, unchanged, binary, unpack_length = _TEXT, _NULL, _UNCHANGED, _BINARY, _unpack_length
     try:
         (count,) = _unpack_count(data, offset)
         pos = offset + 2
         for index in range(count):
             kind = data[pos]
-            if kind == _TEXT or kind == _BINARY:
-                pos += 5 + _unpack_length(data, pos + 1)[0]
-            elif kind == _NULL or kind == _UNCHANGED:
+            if kind == text or kind == binary:
+                pos += 5 + unpack_length(data, pos + 1)[0]
+            elif kind == null or kind == unchanged:
                 pos += 1
             else:
                 raise TupleDataError(f"unknown column kind {bytes([kind])!r} at offset {pos} (column {index})")
@@ -141,6 +144,7 @@ def project_tuple(data: Buffer, keep_indexes: Sequence[int]) -> bytes:
 
 def _column_bounds(data: Buffer) -> list[int]:
     """Start offsets of every column, then the end of the tuple."""
+    text, null, unchanged, binary, unpack_length = _TEXT, _NULL, _UNCHANGED, _BINARY, _unpack_length
     try:
         (count,) = _unpack_count(data, 0)
         pos = 2
@@ -148,9 +152,9 @@ def _column_bounds(data: Buffer) -> list[int]:
         for index in range(count):
             bounds[index] = pos
             kind = data[pos]
-            if kind == _TEXT or kind == _BINARY:
-                pos += 5 + _unpack_length(data, pos + 1)[0]
-            elif kind == _NULL or kind == _UNCHANGED:
+            if kind == text or kind == binary:
+                pos += 5 + unpack_length(data, pos + 1)[0]
+            elif kind == null or kind == unchanged:
                 pos += 1
             else:
                 raise TupleDataError(f"unknown column kind {bytes([kind])!r} at offset {pos} (column {index})")

@@ -1,0 +1,135 @@
+"""`make demo`: a live code-hosting database replicated end to end, shown in the Dagster UI.
+
+Starts the local stack, creates and seeds the sample database, writes its siphon.yaml, starts
+the producer, a workload that keeps changing the database, and `dagster dev`; stops all of it,
+by the process ids it started, on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from demo import workload
+from siphon_stack import stack
+from siphon_stack.process import StackError, free_port, port_accepts, start_process, stop_pid, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_TABLES = [
+    {"name": "public.namespaces"},
+    {"name": "public.projects"},
+    {"name": "public.milestones"},
+    {"name": "public.issues"},
+    {"name": "public.merge_requests"},
+    {"name": "public.notes", "exclude_columns": ["note_html"], "blocks_per_partition": 64},
+    {"name": "public.events", "blocks_per_partition": 64},
+]
+
+
+def write_config(path: Path, env: dict[str, str], with_snowflake: bool) -> None:
+    config: dict[str, object] = {
+        "application_identifier": "demo.main.1",
+        "source": {"dsn": env["SIPHON_PG_DSN"]},
+        "queue": {"url": env["SIPHON_NATS_URL"]},
+        "producer": {"flush_interval_seconds": 1, "metrics_port": free_port()},
+        "tables": DEMO_TABLES,
+        "targets": {"clickhouse": {"url": env["SIPHON_CLICKHOUSE_URL"], "database": "siphon"}},
+    }
+    if with_snowflake:
+        config["targets"]["snowflake"] = {  # type: ignore[index]
+            "account": "${SIPHON_SNOWFLAKE_ACCOUNT}", "user": "${SIPHON_SNOWFLAKE_USER}",
+            "password": "${SIPHON_SNOWFLAKE_PASSWORD}", "database": "SIPHON", "schema": "PUBLIC",
+            "host": env["SIPHON_SNOWFLAKE_HOST"], "port": int(env["SIPHON_SNOWFLAKE_PORT"]), "protocol": "http",
+        }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="siphon-demo", description=__doc__)
+    parser.add_argument("--dir", type=Path, default=ROOT / "var" / "demo", help="where the demo keeps its state")
+    parser.add_argument("--no-snowflake", action="store_true")
+    parser.add_argument("--rate", type=float, default=20.0, help="workload transactions per second")
+    args = parser.parse_args(argv)
+    directory: Path = args.dir.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    stack_dir = directory / "stack"
+    processes: list[tuple[str, int]] = []
+    stop = threading.Event()
+    try:
+        print("starting the local stack (PostgreSQL, NATS JetStream, embedded ClickHouse, fakesnow)...", flush=True)
+        state = stack.up(stack_dir, with_snowflake=not args.no_snowflake)
+        env = {**os.environ, **state.environment}
+        os.environ.update(state.environment)
+        workload.create_schema(env["SIPHON_PG_DSN"])
+        workload.seed(env["SIPHON_PG_DSN"])
+        config_path = directory / "siphon.yaml"
+        write_config(config_path, env, with_snowflake=not args.no_snowflake)
+        env["SIPHON_CONFIG"] = str(config_path)
+        env.setdefault("DAGSTER_HOME", str(ROOT / ".dagster_home"))
+        env["DAGSTER_MODULE_NAME"] = "siphon_dagster"
+        Path(env["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
+        bin_dir = Path(sys.executable).parent
+
+        producer = start_process("siphon-producer", [str(bin_dir / "siphon-producer"), "run", "--config",
+                                                     str(config_path)], directory / "producer.log", env=env)
+        processes.append(("producer", producer.pid))
+        subprocess.run([str(bin_dir / "siphon-dagster"), "partitions", "refresh"], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+
+        port = free_port()
+        dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-h", "127.0.0.1", "-p", str(port),
+                                                "-w", str(ROOT / "workspace.yaml")],
+                                directory / "dagster.log", env=env, cwd=ROOT)
+        processes.append(("dagster", dagster.pid))
+        wait_until("Dagster UI", lambda: port_accepts(port), 180.0, pid=dagster.pid,
+                   log_path=directory / "dagster.log")
+
+        writer = threading.Thread(target=_write_forever, args=(env["SIPHON_PG_DSN"], args.rate, stop), daemon=True)
+        writer.start()
+        print(f"""
+Siphon demo is running.
+  Dagster UI:        http://127.0.0.1:{port}  (Assets -> group siphon_demo_main_1)
+  configuration:     {config_path}
+  producer log:      {directory / 'producer.log'}
+  stack services:    source {stack_dir / 'stack.env'} for SIPHON_PG_DSN, SIPHON_CLICKHOUSE_URL, ...
+  snapshot a table:  SIPHON_CONFIG={config_path} .venv/bin/dagster asset materialize -m siphon_dagster \\
+                       --select clickhouse/public/notes --partition 00000000-00000063
+A workload commits about {args.rate:.0f} transactions per second. Press Ctrl-C to stop everything.
+""", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        while not stop.is_set():
+            stop.wait(1.0)
+    except KeyboardInterrupt:
+        pass
+    except StackError as error:
+        print(f"siphon-demo: {error}", file=sys.stderr)
+        return 2
+    finally:
+        stop.set()
+        print("stopping...", flush=True)
+        for name, pid in reversed(processes):
+            stop_pid(pid, timeout=30.0 if name == "producer" else 20.0)
+        stack.down(stack_dir)
+        print("stopped.", flush=True)
+    return 0
+
+
+def _write_forever(dsn: str, rate: float, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            workload.run(dsn, changes_per_second=rate, duration_seconds=5.0)
+        except Exception as error:  # keep the demo alive through a transient database error
+            print(f"workload: {error}", file=sys.stderr)
+            time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Exact snapshots of block ranges, read under a snapshot exported by a temporary logical slot."""

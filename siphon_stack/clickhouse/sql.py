@@ -1,0 +1,161 @@
+"""Just enough of ClickHouse's lexer to do what its HTTP handler does around the parser: find where
+the SQL of an INSERT ends and its inline data begins, and which output format a query asks for.
+
+The text is scanned as bytes because an INSERT body carries binary data after its SQL; scanning is
+lazy and stops at the data, so a large body is never tokenized.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+_WORD = re.compile(rb"[A-Za-z0-9_$\x80-\xff]+")
+_SPACE = re.compile(rb"[ \t\n\r\f\v]+")
+_QUOTES = b"'\"`"
+_OPENING = b"([{"
+_CLOSING = b")]}"
+
+
+@dataclass(frozen=True)
+class Token:
+    kind: str  # "word", "quoted" or "punct"
+    start: int
+    end: int
+    depth: int  # bracket nesting level; clauses such as FORMAT only count at level 0
+
+    def upper(self, sql: bytes) -> str:
+        return sql[self.start : self.end].decode("utf-8", "replace").upper()
+
+
+@dataclass(frozen=True)
+class InlineInsert:
+    """An INSERT whose data follows its SQL: `statement` is the INSERT without the FORMAT (or
+    VALUES) clause, as chdb's streaming insert wants it."""
+
+    statement: str
+    format: str
+    data_start: int
+    via_select: bool  # INSERT ... SELECT ... FROM input() FORMAT x
+
+
+def tokens(sql: bytes, complete: bool = True) -> Iterator[Token]:
+    """Tokens outside comments. With complete=False the text is a prefix of a longer body, so a
+    token that touches its end may continue beyond it and is not yielded."""
+    pos, depth, size = 0, 0, len(sql)
+    while pos < size:
+        space = _SPACE.match(sql, pos)
+        if space:
+            pos = space.end()
+            continue
+        end, kind = _token_end(sql, pos)
+        if end < 0 or (not complete and end >= size):
+            return
+        char = sql[pos]
+        depth -= kind == "punct" and char in _CLOSING
+        yield Token(kind, pos, end, max(depth, 0))
+        depth += kind == "punct" and char in _OPENING
+        pos = end
+
+
+def _token_end(sql: bytes, pos: int) -> tuple[int, str]:
+    """End of the token or comment at pos, or -1 when it is not terminated within the text."""
+    if sql.startswith(b"--", pos):
+        newline = sql.find(b"\n", pos)
+        return (newline if newline >= 0 else len(sql)), "comment"
+    if sql.startswith(b"/*", pos):
+        close = sql.find(b"*/", pos + 2)
+        return (close + 2 if close >= 0 else -1), "comment"
+    if sql[pos] in _QUOTES:
+        return _quoted_end(sql, pos), "quoted"
+    word = _WORD.match(sql, pos)
+    if word:
+        return word.end(), "word"
+    return pos + 1, "punct"
+
+
+def _quoted_end(sql: bytes, pos: int) -> int:
+    quote, i = sql[pos], pos + 1
+    while i < len(sql):
+        if sql[i] == 0x5C:  # a backslash escapes the next byte
+            i += 2
+        elif sql[i] == quote:
+            if i + 1 < len(sql) and sql[i + 1] == quote:  # a doubled quote stands for itself
+                i += 2
+            else:
+                return i + 1
+        else:
+            i += 1
+    return -1
+
+
+def _code(stream: Iterator[Token]) -> Iterator[Token]:
+    return (token for token in stream if token.kind != "comment")
+
+
+def leading_keyword(sql: bytes) -> str:
+    """The statement's first keyword (upper case), "(" for a parenthesised query, "" for none."""
+    first = next(_code(tokens(sql)), None)
+    return first.upper(sql) if first else ""
+
+
+def find_inline_insert(sql: bytes, complete: bool) -> InlineInsert | None:
+    """Where an INSERT's inline data starts, per ClickHouse's parser: after `VALUES`, or after
+    `FORMAT name`, the spaces that follow it and at most one line break."""
+    stream = _code(tokens(sql, complete))
+    first = next(stream, None)
+    if first is None or first.upper(sql) != "INSERT":
+        return None
+    previous, via_select = first, False
+    for token in stream:
+        word = token.upper(sql) if token.kind == "word" and token.depth == 0 else ""
+        if word == "FORMAT":
+            name = next(stream, None)
+            if name is None or name.kind == "punct":
+                return None
+            data_start = _data_start(sql, name.end)
+            if not complete and data_start >= len(sql):
+                return None
+            statement = sql[: token.start].decode("utf-8", "replace")
+            return InlineInsert(statement, _unquote(sql[name.start : name.end]), data_start, via_select)
+        if word == "VALUES" and not via_select and previous.upper(sql) not in ("INTO", "TABLE", "."):
+            return InlineInsert(sql[: token.start].decode("utf-8", "replace"), "Values", token.end, False)
+        if word in ("SELECT", "WITH"):
+            via_select = True
+        if word == "INFILE":
+            return None
+        previous = token
+    return None
+
+
+def _data_start(sql: bytes, pos: int) -> int:
+    while pos < len(sql) and sql[pos] in b" \t\f":
+        pos += 1
+    if sql.startswith(b"\r", pos):
+        pos += 1
+    if sql.startswith(b"\n", pos):
+        pos += 1
+    return pos
+
+
+def _unquote(name: bytes) -> str:
+    text = name.decode("utf-8", "replace")
+    return text[1:-1] if text[:1] in ('"', "`") else text
+
+
+def output_format(sql: bytes) -> str | None:
+    """The name in a trailing `FORMAT name [SETTINGS ...] [;]` clause of a query, if any."""
+    found: str | None = None
+    stream = list(_code(tokens(sql)))
+    for i, token in enumerate(stream[:-1]):
+        if token.depth or token.kind != "word" or token.upper(sql) != "FORMAT":
+            continue
+        name, rest = stream[i + 1], stream[i + 2 : i + 3]
+        if name.kind != "punct" and (not rest or _ends_query(sql, rest[0])):
+            found = _unquote(sql[name.start : name.end])
+    return found
+
+
+def _ends_query(sql: bytes, token: Token) -> bool:
+    return token.depth == 0 and (sql[token.start : token.end] == b";" or token.upper(sql) == "SETTINGS")
