@@ -52,7 +52,7 @@ async def run_until_stopped(config: SiphonConfig) -> int:
             log.warning("connection lost; reconnecting", attempt=failures, retry_in_seconds=delay, error=str(error))
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         # A stream that ran long enough to confirm progress earns a fresh retry budget.
         if service.confirmed_lsn:

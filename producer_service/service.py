@@ -205,9 +205,8 @@ class ProducerService:
         elif kind is m.Truncate:
             for relation_id in message.relation_ids:
                 self._change(relation_id, pb.TRUNCATE, None, None, None)
-        elif kind is m.Message:
-            if not message.transactional:
-                self._tracker.idle_position(message.lsn)
+        elif kind is m.Message and not message.transactional:
+            self._tracker.idle_position(message.lsn)
         # Origin and Type messages carry nothing a consumer needs: values travel as text.
 
     def _change(self, relation_id: int, operation: int, new_tuple: bytes | None, old_tuple: bytes | None,

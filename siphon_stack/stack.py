@@ -15,7 +15,15 @@ from pathlib import Path
 
 from siphon_stack.nats import NatsServer
 from siphon_stack.postgres import PostgresServer, find_bindir
-from siphon_stack.process import StackError, free_port, pid_alive, port_accepts, start_process, stop_pid, wait_until
+from siphon_stack.process import (
+    StackError,
+    free_port,
+    pid_alive,
+    port_accepts,
+    start_process,
+    stop_pid,
+    wait_until,
+)
 from siphon_stack.snowflake import FakesnowServer
 from siphon_stack.spark import SparkConnectServer, require_java
 
