@@ -52,10 +52,12 @@ def tokens(sql: bytes, complete: bool = True) -> Iterator[Token]:
         end, kind = _token_end(sql, pos)
         if end < 0 or (not complete and end >= size):
             return
-        char = sql[pos]
-        depth -= kind == "punct" and char in _CLOSING
-        yield Token(kind, pos, end, max(depth, 0))
-        depth += kind == "punct" and char in _OPENING
+        bracket = sql[pos] if kind == "punct" else 0
+        if bracket in _CLOSING:
+            depth = max(depth - 1, 0)
+        yield Token(kind, pos, end, depth)
+        if bracket in _OPENING:
+            depth += 1
         pos = end
 
 
@@ -109,24 +111,24 @@ def find_inline_insert(sql: bytes, complete: bool) -> InlineInsert | None:
         return None
     previous, via_select = first, False
     for token in stream:
-        word = token.upper(sql) if token.kind == "word" and token.depth == 0 else ""
-        if word == "FORMAT":
-            name = next(stream, None)
-            if name is None or name.kind == "punct":
-                return None
-            data_start = _data_start(sql, name.end)
+        if _is_keyword(sql, previous, "FORMAT") and token.kind != "punct":
+            data_start = _data_start(sql, token.end)
             if not complete and data_start >= len(sql):
                 return None
-            statement = sql[: token.start].decode("utf-8", "replace")
-            return InlineInsert(statement, _unquote(sql[name.start : name.end]), data_start, via_select)
-        if word == "VALUES" and not via_select and previous.upper(sql) not in ("INTO", "TABLE", "."):
+            statement = sql[: previous.start].decode("utf-8", "replace")
+            return InlineInsert(statement, _unquote(sql[token.start : token.end]), data_start, via_select)
+        if _is_keyword(sql, token, "VALUES") and not via_select and previous.upper(sql) not in ("INTO", "TABLE", "."):
             return InlineInsert(sql[: token.start].decode("utf-8", "replace"), "Values", token.end, False)
-        if word in ("SELECT", "WITH"):
+        if _is_keyword(sql, token, "SELECT") or _is_keyword(sql, token, "WITH"):
             via_select = True
-        if word == "INFILE":
+        if _is_keyword(sql, token, "INFILE"):
             return None
         previous = token
     return None
+
+
+def _is_keyword(sql: bytes, token: Token, keyword: str) -> bool:
+    return token.kind == "word" and token.depth == 0 and token.upper(sql) == keyword
 
 
 def _data_start(sql: bytes, pos: int) -> int:
@@ -149,7 +151,7 @@ def output_format(sql: bytes) -> str | None:
     found: str | None = None
     stream = list(_code(tokens(sql)))
     for i, token in enumerate(stream[:-1]):
-        if token.depth or token.kind != "word" or token.upper(sql) != "FORMAT":
+        if not _is_keyword(sql, token, "FORMAT"):
             continue
         name, rest = stream[i + 1], stream[i + 2 : i + 3]
         if name.kind != "punct" and (not rest or _ends_query(sql, rest[0])):

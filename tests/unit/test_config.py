@@ -1,0 +1,89 @@
+import textwrap
+
+import pytest
+
+from siphon_core.config import ConfigError, load_config, parse_config
+
+VALID = {
+    "application_identifier": "dev.main.1",
+    "source": {"dsn": "postgresql://siphon@127.0.0.1:5432/app"},
+    "tables": [{"name": "public.notes", "exclude_columns": ["note_html"]}, {"name": "public.issues"}],
+    "targets": {"clickhouse": {"url": "http://127.0.0.1:8123"}},
+}
+
+
+def test_the_documented_example_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("SNOWFLAKE_ACCOUNT", "acme")
+    monkeypatch.setenv("SNOWFLAKE_USER", "loader")
+    monkeypatch.setenv("SNOWFLAKE_PASSWORD", "s3cret")
+    path = tmp_path / "siphon.yaml"
+    path.write_text(textwrap.dedent("""
+        application_identifier: dev.main.1
+        source:
+          dsn: postgresql://siphon@127.0.0.1:5432/app
+          snapshot_dsn: null
+        queue:
+          url: nats://127.0.0.1:4222
+        producer:
+          flush_interval_seconds: 3
+          max_package_events: 10000
+          max_package_bytes: 800000
+          metrics_port: 9187
+        tables:
+          - name: public.notes
+            exclude_columns: [note_html]
+            blocks_per_partition: 8192
+          - name: public.issues
+        targets:
+          clickhouse:
+            url: http://127.0.0.1:8123
+            database: siphon
+          snowflake:
+            account: ${SNOWFLAKE_ACCOUNT}
+            user: ${SNOWFLAKE_USER}
+            password: ${SNOWFLAKE_PASSWORD}
+            database: SIPHON
+            schema: PUBLIC
+    """))
+    config = load_config(path)
+    assert config.application_identifier == "dev.main.1"
+    assert config.table("public.notes").exclude_columns == ["note_html"]
+    assert config.table("public.issues").blocks_per_partition == 8192
+    assert config.targets.snowflake.password == "s3cret"
+    assert config.targets.snowflake.schema_ == "PUBLIC"
+    assert config.targets.configured() == ["clickhouse", "snowflake"]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"application_identifier": "dev main"}, "application_identifier: Value error, 'dev main' may contain only"),
+        ({"tables": [{"name": "notes"}]}, "tables[0] (notes).name: Value error, 'notes' must be schema-qualified"),
+        ({"tables": [{"name": "public.a"}, {"name": "public.b", "blocks_per_partition": 0}]},
+         "tables[1] (public.b).blocks_per_partition: Input should be greater than or equal to 1"),
+        ({"tables": [{"name": "public.a", "on_error": "ignore"}]}, "tables[0] (public.a).on_error"),
+        ({"source": {}}, "source.dsn: Field required"),
+        ({"tables": [{"name": "public.a"}, {"name": "public.a"}]}, "'public.a' is listed twice"),
+    ],
+)
+def test_errors_name_the_file_the_table_and_the_key(change, expected):
+    with pytest.raises(ConfigError) as error:
+        parse_config({**VALID, **change}, "app.yaml")
+    assert str(error.value).startswith("app.yaml: ")
+    assert expected in str(error.value)
+
+
+def test_a_missing_environment_variable_is_named(monkeypatch):
+    monkeypatch.delenv("NOPE_PASSWORD", raising=False)
+    raw = {**VALID, "targets": {"snowflake": {"account": "a", "user": "u", "password": "${NOPE_PASSWORD}"}}}
+    with pytest.raises(ConfigError, match=r"app.yaml.targets.snowflake.password: environment variable NOPE_PASSWORD"):
+        parse_config(raw, "app.yaml")
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="configuration file not found"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tables: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
