@@ -202,8 +202,7 @@ class RequestBody:
 
     def _next_chunked(self) -> bytes:
         if self._remaining == 0:
-            size_line = self._stream.readline(1024)
-            self._remaining = int(size_line.split(b";", 1)[0].strip() or b"x", 16)
+            self._remaining = _chunk_size(self._stream.readline(1024))
             if self._remaining == 0:
                 while self._stream.readline(1024).strip():  # trailer fields, then the final empty line
                     pass
@@ -220,6 +219,13 @@ class RequestBody:
         if len(piece) < size:
             raise ConnectionError("the client closed the connection in the middle of the request body")
         return piece
+
+
+def _chunk_size(line: bytes) -> int:
+    try:
+        return int(line.split(b";", 1)[0].strip(), 16)
+    except ValueError:
+        raise ConnectionError(f"malformed chunk size line {line[:40]!r} in a chunked request body") from None
 
 
 class _Decompressor(Protocol):
@@ -248,17 +254,20 @@ def decoded(pieces: Iterator[bytes], content_encoding: str) -> Iterator[bytes]:
     factory = _DECOMPRESSORS.get(encoding)
     if factory is None:
         raise ClickHouseError.of("UNKNOWN_COMPRESSION_METHOD", f"Unknown compression method '{encoding}'")
-    decompressor = factory()
+    decompressor, within_frame = factory(), False
     try:
         for piece in pieces:
             while piece:
+                within_frame = True
                 if output := decompressor.decompress(piece):
                     yield output
                 piece = decompressor.unused_data if decompressor.eof else b""
                 if decompressor.eof:
-                    decompressor = factory()
+                    decompressor, within_frame = factory(), False
     except (zlib.error, zstandard.ZstdError, RuntimeError) as error:
         raise ClickHouseError.of("CANNOT_DECOMPRESS", f"Cannot decompress the request body ({encoding}): {error}")
+    if within_frame:
+        raise ClickHouseError.of("CANNOT_DECOMPRESS", f"The request body ends within a {encoding} frame")
 
 
 def form_fields(body: bytes, content_type: str) -> tuple[dict[str, str], dict[str, bytes]]:
