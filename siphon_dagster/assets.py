@@ -4,7 +4,6 @@ A target asset's partition is a block range; materializing it re-snapshots exact
 (see siphon_dagster.snapshot.reader for why any order of ranges converges with the stream).
 """
 
-from __future__ import annotations
 
 from typing import Any
 
@@ -29,51 +28,54 @@ def column_schema_metadata(table: TableSchema) -> dg.TableSchema:
     ])
 
 
-def build_source_asset(spec: TableSpec) -> Any:
-    @dg.observable_source_asset(
+def build_source_asset(spec: TableSpec) -> dg.AssetSpec:
+    """The PostgreSQL table as an external asset; the partitions sensor records its observations."""
+    return dg.AssetSpec(
         key=spec.source_key,
         group_name=spec.group,
         description=f"PostgreSQL table {spec.qualified_name}, replicated by application "
-                    f"{spec.application_identifier}.",
-        tags={**spec.tags, "dagster/kind/postgres": ""},
-        required_resource_keys={"source"},
+                    f"{spec.application_identifier}. Observed every minute: blocks, bytes, row estimate and "
+                    "the source's current LSN.",
+        kinds={"postgres"},
+        tags=spec.tags,
     )
-    def _observe(context: dg.AssetExecutionContext) -> dg.ObserveResult:
-        resource: PostgresResource = context.resources.source
-        with resource.connect() as connection:
-            size = source.table_size(connection, spec.table)
-            lsn = source.current_lsn(connection)
-            schema = source.table_schema(connection, spec.table)
-        return dg.ObserveResult(
-            data_version=dg.DataVersion(naming.format_lsn(lsn)),
-            metadata={
-                "blocks": size.blocks,
-                "bytes": dg.MetadataValue.int(size.bytes),
-                "row_estimate": size.row_estimate,
-                "current_lsn": naming.format_lsn(lsn),
-                "dagster/column_schema": column_schema_metadata(schema),
-            },
-        )
 
-    return _observe
+
+def observe_source(spec: TableSpec, connection: Any) -> dg.AssetObservation:
+    size = source.table_size(connection, spec.table)
+    lsn = source.current_lsn(connection)
+    return dg.AssetObservation(
+        asset_key=spec.source_key,
+        metadata={
+            "blocks": size.blocks,
+            "bytes": dg.MetadataValue.int(size.bytes),
+            "row_estimate": size.row_estimate,
+            "current_lsn": naming.format_lsn(lsn),
+            "dagster/column_schema": column_schema_metadata(source.table_schema(connection, spec.table)),
+        },
+    )
 
 
 def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
     resource_key = f"{target}_target"
 
-    @dg.asset(
-        key=spec.target_key(target),
-        deps=[spec.source_key],
+    # Op, input and output names must be Python identifiers; asset keys keep the source's spelling.
+    @dg.multi_asset(
+        name=f"snapshot_{spec.job_suffix}_{target}",
+        ins={"source_table": dg.AssetIn(key=spec.source_key, dagster_type=dg.Nothing)},
         partitions_def=spec.partitions_def,
+        pool=SNAPSHOT_POOL,
+        outs={"snapshot": dg.AssetOut(
+        key=spec.target_key(target),
         group_name=spec.group,
         kinds={target},
         tags=spec.tags,
-        pool=SNAPSHOT_POOL,
         description=(f"{spec.qualified_name} in {target}: every version of every row "
                      f"({naming.target_table_name(spec.schema, spec.name)}) and the current rows "
                      f"({naming.current_view_name(spec.schema, spec.name)}). A partition is a block range of "
                      "the source table: materializing it re-snapshots exactly those blocks; the streaming job "
                      f"{spec.stream_job_name(target)} keeps the table fresh in between."),
+        )},
         required_resource_keys={"source", resource_key},
         op_tags={"siphon/snapshot-source": spec.application_identifier},
     )

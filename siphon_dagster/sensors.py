@@ -1,12 +1,12 @@
 """Sensors: block-range partitions kept current as tables grow, and streaming runs kept alive."""
 
-from __future__ import annotations
 
 import json
 
 import dagster as dg
 
 from siphon_dagster import source
+from siphon_dagster.assets import observe_source
 from siphon_dagster.partitions import missing_keys
 from siphon_dagster.resources import PostgresResource
 from siphon_dagster.specs import TableSpec
@@ -33,19 +33,19 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
         name=f"{group}_partitions",
         minimum_interval_seconds=60,
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description="Adds the block-range partitions of tables that grew. The cursor holds each table's "
-                    "block count at the last tick.",
+        description="Adds the block-range partitions of tables that grew and observes each source table "
+                    "(size, row estimate, LSN). The cursor holds each table's block count at the last tick.",
         required_resource_keys={"source"},
     )
     def _partitions(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:
         resource: PostgresResource = context.resources.source
         with resource.connect() as connection:
             requests, blocks = partition_requests(context.instance, connection, specs)
+            observations = [observe_source(spec, connection) for spec in specs]
         cursor = json.dumps(blocks, sort_keys=True)
-        if not requests:
-            return dg.SensorResult(skip_reason=dg.SkipReason("every table's partitions are current"), cursor=cursor)
         added = sum(len(r.partition_keys) for r in requests)
-        context.log.info(f"adding {added} block-range partitions")
-        return dg.SensorResult(dynamic_partitions_requests=requests, cursor=cursor)
+        if added:
+            context.log.info(f"adding {added} block-range partitions")
+        return dg.SensorResult(dynamic_partitions_requests=requests, asset_events=observations, cursor=cursor)
 
     return _partitions

@@ -54,6 +54,10 @@ class TableSpec:
         return partitions_def_name(self.application_identifier, self.schema, self.name)
 
     @property
+    def job_suffix(self) -> str:
+        return naming.job_suffix(self.schema, self.name)
+
+    @property
     def resync_job_name(self) -> str:
         return naming.resync_job_name(self.schema, self.name)
 

@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import pyarrow as pa
 
+from siphon_core.naming import target_table_name
+
 # Columns every target table carries beside the source's columns.
 VERSION_COLUMN = "_siphon_version"
 DELETED_COLUMN = "_siphon_deleted"
@@ -78,6 +80,11 @@ class TargetError(RuntimeError):
     """A target refused an operation; the message names the table and what to do."""
 
 
+def shadow_table_name(schema: str, table: str) -> str:
+    """The table a resync fills before it replaces `<schema>__<table>`."""
+    return f"{target_table_name(schema, table)}__resync"
+
+
 def change_batch_schema(table: TableSchema) -> pa.Schema:
     fields = [pa.field(c.name, pa.string()) for c in table.columns]
     fields.append(pa.field(VERSION_COLUMN, VERSION_ARROW_TYPE, nullable=False))
@@ -101,8 +108,13 @@ class Target(Protocol):
     def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
         """Applies a change batch laid out as `change_batch_schema(table)`; returns rows written."""
 
-    def apply_copy_text(self, table: TableSchema, chunks: Iterable[bytes], version: int) -> int:
-        """Applies rows in PostgreSQL's COPY text format (a snapshot), all with one version."""
+    def apply_copy_text(
+        self, table: TableSchema, chunks: Iterable[bytes], version: int, *, shadow: bool = False
+    ) -> int:
+        """Applies rows in PostgreSQL's COPY text format (a snapshot), all with one version.
+
+        `shadow=True` writes into the table being rebuilt by `create_shadow` instead of the live one.
+        """
 
     def tombstone_all(self, table: TableSchema, version: int) -> int:
         """TRUNCATE: every current row gets a tombstone with `version` (older rows only)."""
@@ -126,5 +138,19 @@ class Target(Protocol):
 
     def drop_table(self, table: TableSchema) -> None:
         """Drops the table and its view (resync rebuilds it)."""
+
+    # Resync without downtime for readers: build a shadow table beside the live one, fill it with
+    # snapshots (`apply_copy_text(..., shadow=True)`) while every other write (`apply_rows`,
+    # `tombstone_all`, snapshots of the live table) goes to both, then swap it in atomically. The
+    # view keeps its name and reads whichever table holds the live name.
+
+    def create_shadow(self, table: TableSchema) -> None:
+        """Creates an empty `<schema>__<table>__resync` with the live table's layout (replacing any)."""
+
+    def swap_shadow(self, table: TableSchema) -> None:
+        """Makes the shadow the live table in one step and drops the previous live table."""
+
+    def drop_shadow(self, table: TableSchema) -> None:
+        """Abandons a resync: drops the shadow table if there is one."""
 
     def close(self) -> None: ...

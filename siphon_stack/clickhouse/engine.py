@@ -1,0 +1,223 @@
+"""The chdb side: one data directory, many connections to it.
+
+chdb lets one process open many connections to its data directory, each with its own current
+database, settings and temporary tables, and runs their queries in parallel (the GIL is released
+while the engine works). So a request without a session gets a fresh connection, which is what a
+ClickHouse query context is, and each HTTP session keeps one connection of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import chdb
+
+from siphon_stack.clickhouse.protocol import ClickHouseError, RequestOptions, quote
+
+Result = Any  # chdb's query_result: get_memview(), rows_read(), bytes_read(), rows_written(), elapsed()
+
+
+class Connection:
+    """A chdb connection with the request-scoped behaviour of ClickHouse's HTTP sessions: the
+    `database` and settings of a request apply to that request only, while `USE` and `SET`
+    statements change the session."""
+
+    def __init__(self, raw: Any, keeps_state: bool):
+        self.raw = raw
+        self._keeps_state = keeps_state
+        self._own_database = self._current_database = "default"
+        self._saved: dict[str, str] = {}  # the session's values of settings a request overrides
+        self._applied: dict[str, str] = {}  # the request values currently in force
+
+    def prepare(self, database: str | None, settings: dict[str, str], statement: str) -> None:
+        if statement == "SET":
+            # What SET changes belongs to the session, so it must not be undone as a request override.
+            self._restore(list(self._saved))
+        else:
+            self._override(settings)
+        target = database or self._own_database
+        if target != self._current_database:
+            self.execute(f"USE {_identifier(target)}")
+            self._current_database = target
+
+    def finish(self, statement: str) -> None:
+        if statement == "USE":
+            database = self.query("SELECT currentDatabase()", "TabSeparated").bytes().decode().strip()
+            self._own_database = self._current_database = database
+
+    def _override(self, settings: dict[str, str]) -> None:
+        self._restore([name for name in self._saved if name not in settings])
+        if self._keeps_state:
+            self._remember([name for name in settings if name not in self._saved])
+        changes = {name: value for name, value in settings.items() if self._applied.get(name) != value}
+        if changes:
+            self.execute("SET " + ", ".join(f"{name} = {quote(value)}" for name, value in changes.items()))
+            self._applied.update(changes)
+
+    def _remember(self, names: list[str]) -> None:
+        if not names:
+            return
+        listed = ", ".join(quote(name) for name in names)
+        rows = self.query(f"SELECT name, value FROM system.settings WHERE name IN ({listed})", "TabSeparated")
+        for line in rows.bytes().decode().splitlines():
+            name, value = line.split("\t", 1)
+            self._saved[name] = value.encode().decode("unicode_escape")
+
+    def _restore(self, names: list[str]) -> None:
+        values = {name: self._saved.pop(name) for name in names}
+        for name in names:
+            self._applied.pop(name, None)
+        if values:
+            self.execute("SET " + ", ".join(f"{name} = {quote(value)}" for name, value in values.items()))
+
+    def execute(self, sql: str) -> Result:
+        return self.query(sql, "TabSeparated")
+
+    def query(self, sql: str, output_format: str, params: dict[str, str] | None = None) -> Result:
+        try:
+            return self.raw.query(sql, output_format, params=params or {})
+        except Exception as error:
+            raise ClickHouseError.from_engine(error) from None
+
+    def stream(self, sql: str, output_format: str, params: dict[str, str]) -> Iterator[Result]:
+        """The result block by block; chdb formats each block as a whole document of its own."""
+        try:
+            blocks = self.raw.send_query(sql, output_format, params=params)
+        except Exception as error:
+            raise ClickHouseError.from_engine(error) from None
+        try:
+            while True:
+                try:
+                    block = blocks.fetch()
+                except Exception as error:
+                    raise ClickHouseError.from_engine(error) from None
+                if block is None:
+                    return
+                yield block
+        finally:
+            blocks.cancel()
+
+    def insert(self, statement: str, input_format: str, data: Iterable[bytes]) -> Any:
+        """Streams the data into `statement` as it arrives; returns chdb's InsertResult."""
+        try:
+            inserter = self.raw.send_insert(statement, input_format)
+        except Exception as error:
+            raise ClickHouseError.from_engine(error) from None
+        try:
+            for piece in data:
+                inserter.append(piece)
+            return inserter.finish()
+        except (ClickHouseError, ConnectionError):
+            inserter.cancel()
+            raise
+        except Exception as error:
+            inserter.cancel()
+            raise ClickHouseError.from_engine(error) from None
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _identifier(name: str) -> str:
+    return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
+
+
+@dataclass
+class _Session:
+    connection: Connection
+    lock: threading.Lock
+    expires: float
+
+
+class Engine:
+    """Owns the data directory for the server's lifetime and hands out connections to it."""
+
+    def __init__(self, data_dir: str):
+        self._path = data_dir
+        # Opening the directory takes its lock; this connection holds it until close().
+        self._anchor = chdb.connect(data_dir)
+        info = self._anchor.query("SELECT version(), timezone()", "TabSeparated").bytes().decode()
+        self.version, self.timezone = info.rstrip("\n").split("\t")
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0
+        self._closing = False
+
+    @contextmanager
+    def lease(self, options: RequestOptions) -> Iterator[Connection]:
+        self._enter()
+        try:
+            if options.session_id is None:
+                connection = Connection(chdb.connect(self._path), keeps_state=False)
+                try:
+                    yield connection
+                finally:
+                    connection.close()
+            else:
+                with self._session(options) as connection:
+                    yield connection
+        finally:
+            self._leave()
+
+    @contextmanager
+    def _session(self, options: RequestOptions) -> Iterator[Connection]:
+        session_id = options.session_id or ""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                if options.session_check:
+                    raise ClickHouseError.of("SESSION_NOT_FOUND", f"Session {session_id} not found")
+                session = _Session(Connection(chdb.connect(self._path), True), threading.Lock(), 0.0)
+                self._sessions[session_id] = session
+            if not session.lock.acquire(blocking=False):
+                raise ClickHouseError.of("SESSION_IS_LOCKED", f"Session {session_id} is locked by a concurrent client")
+        try:
+            yield session.connection
+        finally:
+            session.expires = time.monotonic() + options.session_timeout
+            if options.close_session:
+                self._drop_session(session_id)
+            session.lock.release()
+
+    def _drop_session(self, session_id: str) -> None:
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.connection.close()
+
+    def expire_sessions(self) -> None:
+        """Closes sessions idle past their timeout, as ClickHouse does."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [sid for sid, s in self._sessions.items() if s.expires < now and not s.lock.locked()]
+        for session_id in expired:
+            self._drop_session(session_id)
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closing:
+                raise ClickHouseError.of("CANNOT_SCHEDULE_TASK", "The server is shutting down")
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            self._idle.notify_all()
+
+    def close(self, grace_seconds: float) -> bool:
+        """Lets running requests finish (up to the grace period), then closes every connection.
+        Returns whether all requests had finished."""
+        with self._lock:
+            self._closing = True
+            finished = self._idle.wait_for(lambda: self._active == 0, timeout=grace_seconds)
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            session.connection.close()
+        self._anchor.close()
+        return finished

@@ -1,0 +1,62 @@
+"""The code location loads for awkward identifiers, and names its assets, jobs and groups as documented."""
+
+import dagster as dg
+import pytest
+
+from siphon_core.config import parse_config
+from siphon_dagster.definitions import build_definitions
+
+AWKWARD_TABLES = [
+    {"name": 'public.we"ird'},
+    {"name": "public.with space"},
+    {"name": "Sales.OrderLines"},
+    {"name": "public.ünïcødé"},
+    {"name": "public.select"},
+    {"name": "audit.events", "blocks_per_partition": 128},
+]
+
+
+def config(tables=AWKWARD_TABLES, snowflake=True):
+    targets = {"clickhouse": {"url": "http://127.0.0.1:8123"}}
+    if snowflake:
+        targets["snowflake"] = {"account": "a", "user": "u", "password": "p"}
+    return parse_config({
+        "application_identifier": "dev.main-1",
+        "source": {"dsn": "postgresql://siphon@127.0.0.1:5432/app"},
+        "tables": tables,
+        "targets": targets,
+    })
+
+
+def test_definitions_load_for_awkward_identifiers():
+    defs = build_definitions(config())
+    graph = defs.resolve_asset_graph()
+    keys = {key.to_user_string() for key in graph.get_all_asset_keys()}
+    for table in AWKWARD_TABLES:
+        schema, _, name = table["name"].partition(".")
+        for system in ("postgres", "clickhouse", "snowflake"):
+            assert dg.AssetKey([system, schema, name]).to_user_string() in keys
+    node = graph.get(dg.AssetKey(["clickhouse", "Sales", "OrderLines"]))
+    assert node.group_name == "siphon_dev_main_1"
+    assert dg.AssetKey(["postgres", "Sales", "OrderLines"]) in node.parent_keys
+    assert node.partitions_def is not None
+
+
+def test_targets_follow_the_configuration():
+    defs = build_definitions(config(tables=[{"name": "public.notes"}], snowflake=False))
+    keys = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
+    assert keys == {"postgres/public/notes", "clickhouse/public/notes"}
+
+
+def test_tables_that_collapse_to_one_job_name_are_refused():
+    with pytest.raises(ValueError, match="would share the job name resync_a_b"):
+        build_definitions(config(tables=[{"name": "public.a.b"}, {"name": "public.a_b"}]))
+
+
+def test_a_missing_configuration_is_explained(monkeypatch):
+    from siphon_core.config import ConfigError
+    from siphon_dagster.definitions import load_definitions
+
+    monkeypatch.delenv("SIPHON_CONFIG", raising=False)
+    with pytest.raises(ConfigError, match="SIPHON_CONFIG is not set"):
+        load_definitions()
