@@ -24,7 +24,6 @@ from pathlib import Path
 
 import psycopg
 import yaml
-
 from common import (
     NOTES_INSERT_SELECT,
     create_notes_table,
@@ -34,6 +33,7 @@ from common import (
     services,
     wait_for,
 )
+
 from siphon_core import naming
 from siphon_stack.process import free_port, start_process, stop_pid
 
