@@ -6,8 +6,15 @@ import dagster as dg
 
 from siphon_core.config import SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
-from siphon_dagster.resources import ClickHouseResource, NatsResource, PostgresResource, SnowflakeResource
-from siphon_dagster.sensors import build_partitions_sensor
+from siphon_dagster.jobs import build_stream_job
+from siphon_dagster.resources import (
+    ClickHouseResource,
+    NatsResource,
+    PostgresResource,
+    SnowflakeResource,
+    SparkResource,
+)
+from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
 from siphon_dagster.specs import group_name, table_specs
 
 
@@ -17,6 +24,7 @@ def build_resources(config: SiphonConfig) -> dict[str, object]:
         "queue": NatsResource(url=config.queue.url, application_identifier=config.application_identifier,
                               duplicate_window_seconds=config.queue.duplicate_window_seconds,
                               replicas=config.queue.replicas, max_message_bytes=config.queue.max_message_bytes),
+        "spark": SparkResource(master=config.spark.master, remote=config.spark.remote, conf=config.spark.conf),
     }
     clickhouse = config.targets.clickhouse
     if clickhouse is not None:
@@ -39,9 +47,15 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
         assets.append(build_source_asset(spec))
         assets.extend(build_target_asset(spec, target) for target in spec.targets)
     group = group_name(config.application_identifier)
+    stream_jobs = {(target, spec.qualified_name): build_stream_job(spec, target)
+                   for spec in specs for target in spec.targets}
     return dg.Definitions(
         assets=assets,
-        sensors=[build_partitions_sensor(specs, group)],
+        jobs=list(stream_jobs.values()),
+        sensors=[
+            build_partitions_sensor(specs, group),
+            build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),
+        ],
         resources=build_resources(config),
     )
 

@@ -1,7 +1,9 @@
 """Sensors: block-range partitions kept current as tables grow, and streaming runs kept alive."""
 
 
+import asyncio
 import json
+import time
 
 import dagster as dg
 
@@ -49,3 +51,91 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
         return dg.SensorResult(dynamic_partitions_requests=requests, asset_events=observations, cursor=cursor)
 
     return _partitions
+
+
+IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+               dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def consecutive_failures(instance: dg.DagsterInstance, job_name: str, window: int = 20) -> tuple[int, float]:
+    """Failures since the last run that ended otherwise, and when the latest of them ended."""
+    records = instance.get_run_records(filters=dg.RunsFilter(job_name=job_name), limit=window)
+    failures, last_end = 0, 0.0
+    for record in records:  # newest first
+        if record.dagster_run.status != dg.DagsterRunStatus.FAILURE:
+            break
+        failures += 1
+        last_end = max(last_end, record.end_time or 0.0)
+    return failures, last_end
+
+
+def backoff_seconds(failures: int, threshold: int) -> float:
+    """No wait below the threshold, then 30 s doubling up to 10 minutes."""
+    if failures < threshold:
+        return 0.0
+    return min(600.0, 30.0 * 2 ** (failures - threshold))
+
+
+def build_streaming_sensor(specs: list[TableSpec], group: str, jobs: dict[tuple[str, str], dg.JobDefinition],
+                           failure_threshold: int, now=time.time) -> dg.SensorDefinition:
+    @dg.sensor(
+        name=f"{group}_streaming",
+        jobs=list(jobs.values()),
+        minimum_interval_seconds=15,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Keeps one streaming run per (target, table) alive: starts one when none is queued or "
+                    "running, backs off after repeated failures. The cursor records each job's failures, "
+                    "backoff and the queue's pending count.",
+        required_resource_keys={"queue"},
+    )
+    def _streaming(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        state = json.loads(context.cursor) if context.cursor else {}
+        pending = _pending_counts(context, specs, jobs)
+        requests = []
+        for (target, table), job in jobs.items():
+            entry = state.setdefault(job.name, {})
+            if pending.get(job.name) is not None:
+                entry["pending"] = pending[job.name]
+            if context.instance.get_runs(filters=dg.RunsFilter(job_name=job.name, statuses=IN_PROGRESS), limit=1):
+                entry["failures"] = 0
+                continue
+            failures, last_end = consecutive_failures(context.instance, job.name)
+            entry["failures"] = failures
+            wait = backoff_seconds(failures, failure_threshold)
+            if wait and now() < last_end + wait:
+                entry["backoff_until"] = last_end + wait
+                context.log.warning(f"{job.name}: {failures} consecutive failed runs; next start in "
+                                    f"{last_end + wait - now():.0f}s (see the failed runs for the error)")
+                continue
+            entry.pop("backoff_until", None)
+            requests.append(dg.RunRequest(job_name=job.name, tags={"siphon/started-by": "streaming-sensor"}))
+        return dg.SensorResult(run_requests=requests, cursor=json.dumps(state, sort_keys=True))
+
+    return _streaming
+
+
+def _pending_counts(context: dg.SensorEvaluationContext, specs: list[TableSpec],
+                    jobs: dict[tuple[str, str], dg.JobDefinition]) -> dict[str, int | None]:
+    """Each consumer's pending messages; an unreachable queue is logged, never fatal to the tick."""
+    from siphon_core import naming
+
+    async def fetch() -> dict[str, int | None]:
+        queue = context.resources.queue.queue(client_name="siphon streaming sensor")
+        await queue.connect(connect_timeout=2.0)
+        counts: dict[str, int | None] = {}
+        try:
+            for (target, table), job in jobs.items():
+                schema, _, name = table.partition(".")
+                try:
+                    counts[job.name] = await queue.pending(naming.consumer_name(target, schema, name))
+                except Exception:  # the consumer does not exist until its first run
+                    counts[job.name] = None
+        finally:
+            await queue.close()
+        return counts
+
+    try:
+        return asyncio.run(asyncio.wait_for(fetch(), timeout=10.0))
+    except Exception as error:
+        context.log.warning(f"could not read pending counts from the queue: {error}")
+        return {}

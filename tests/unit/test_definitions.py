@@ -48,6 +48,15 @@ def test_targets_follow_the_configuration():
     assert keys == {"postgres/public/notes", "clickhouse/public/notes"}
 
 
+def test_streaming_jobs_and_sensors_are_named_as_documented():
+    defs = build_definitions(config())
+    jobs = {job.name for job in defs.resolve_all_job_defs()}
+    assert {"stream_clickhouse_audit__events", "stream_snowflake_audit__events", "stream_clickhouse_select",
+            "stream_clickhouse_Sales__OrderLines", "stream_snowflake_with_space"} <= jobs
+    sensors = {sensor.name for sensor in defs.sensors}
+    assert sensors == {"siphon_dev_main_1_partitions", "siphon_dev_main_1_streaming"}
+
+
 def test_tables_that_collapse_to_one_job_name_are_refused():
     with pytest.raises(ValueError, match="would share the job name resync_a_b"):
         build_definitions(config(tables=[{"name": "public.a.b"}, {"name": "public.a_b"}]))

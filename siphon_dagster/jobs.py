@@ -1,0 +1,76 @@
+"""Jobs per table: `stream_<target>_<table>` applies the queue to one target; `resync_<table>` rebuilds."""
+
+import time
+
+import dagster as dg
+
+from siphon_core import naming
+from siphon_dagster.specs import TableSpec
+
+STREAM_TAG = "siphon/stream"
+
+
+class StreamRunConfig(dg.Config):
+    """Run config of a streaming job (`ops: {<job name>: {config: {...}}}`)."""
+
+    stop_when_drained: bool = False
+    max_batches: int | None = None
+
+
+def stream_tag_value(spec: TableSpec, target: str) -> str:
+    return f"{target}:{spec.qualified_name}"
+
+
+def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
+    asset_key = spec.target_key(target)
+    resource_key = f"{target}_target"
+    job_name = spec.stream_job_name(target)
+
+    @dg.op(
+        name=job_name,
+        required_resource_keys={"source", "queue", "spark", resource_key},
+        description=f"Pulls {spec.qualified_name}'s packages from JetStream and applies them to {target} with "
+                    "PySpark, acking only what the target committed.",
+    )
+    def _stream(context: dg.OpExecutionContext, config: StreamRunConfig) -> None:
+        from siphon_dagster.streaming.consumer import BatchReport, StreamConsumer
+
+        def record(report: BatchReport) -> None:
+            context.log_event(dg.AssetMaterialization(
+                asset_key=asset_key,
+                description=f"applied stream sequence {report.first_sequence}..{report.last_sequence}",
+                metadata={
+                    "applied_lsn": naming.format_lsn(report.applied_lsn),
+                    "rows_by_operation": dg.MetadataValue.json(report.rows_by_operation),
+                    "dagster/row_count": sum(report.rows_by_operation.values()),
+                    "batch_latency_seconds": round(report.latency_seconds, 3),
+                    "lag_seconds": round(report.lag_seconds, 3),
+                    "pending_messages": report.pending,
+                },
+            ))
+
+        destination = getattr(context.resources, resource_key).open_target()
+        consumer = StreamConsumer(
+            table=spec.table,
+            application_identifier=spec.application_identifier,
+            target=destination,
+            queue=context.resources.queue.queue(client_name=f"siphon {job_name}"),
+            spark=context.resources.spark,
+            source_dsn=context.resources.source.dsn,
+            log=context.log,
+        )
+        started = time.monotonic()
+        try:
+            batches = consumer.run(stop_when_drained=config.stop_when_drained, max_batches=config.max_batches,
+                                   on_batch=record)
+        finally:
+            destination.close()
+        context.log.info(f"{batches} batches in {time.monotonic() - started:.1f}s")
+
+    @dg.job(name=job_name, tags={STREAM_TAG: stream_tag_value(spec, target), **spec.tags},
+            description=f"Streaming apply of {spec.qualified_name} into {target}; the streaming sensor keeps one "
+                        "run alive. Run config `stop_when_drained: true` stops it when the queue is empty.")
+    def _job() -> None:
+        _stream()
+
+    return _job

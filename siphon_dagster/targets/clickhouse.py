@@ -1,0 +1,299 @@
+"""The ClickHouse target: every version in a ReplacingMergeTree, current rows through a FINAL view.
+
+All access is clickhouse-connect over HTTP, identical for the embedded local server and a real
+ClickHouse. A batch is loaded as text into a staging table and converted by ClickHouse itself with
+the type mapping's expressions, so the stream and snapshots share one conversion. The version rule
+needs no read-modify-write: the table's version column decides, whatever the insertion order.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlparse
+
+import clickhouse_connect
+import pyarrow as pa
+import pyarrow.compute as pc
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from siphon_core.config import ClickHouseTargetConfig
+from siphon_dagster.targets import clickhouse_sql as sql
+from siphon_dagster.targets.base import (
+    SchemaChange,
+    TableSchema,
+    TargetColumn,
+    TargetError,
+    change_batch_schema,
+)
+from siphon_dagster.targets.type_mapping import clickhouse_type
+
+KEYS_PER_LOOKUP = 5000
+
+
+class ClickHouseTarget:
+    name = "clickhouse"
+
+    def __init__(self, config: ClickHouseTargetConfig) -> None:
+        self.config = config
+        self.database = config.database
+        self._client: Any = None
+
+    # -- connection ------------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            url = urlparse(self.config.url)
+            secure = url.scheme == "https"
+            try:
+                client = clickhouse_connect.get_client(
+                    host=url.hostname or "127.0.0.1",
+                    port=url.port or (8443 if secure else 8123),
+                    username=self.config.username,
+                    password=self.config.password,
+                    secure=secure,
+                )
+                client.command(f"CREATE DATABASE IF NOT EXISTS {sql.quote(self.database)}")
+            except Exception as error:  # connection errors come from urllib3 as well as the driver
+                raise TargetError(
+                    f"clickhouse: cannot reach {self.config.url} (database {self.database}): {error}; "
+                    "check targets.clickhouse.url in siphon.yaml and that the server is running"
+                ) from error
+            self._client = client
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _names(self, table: TableSchema) -> sql.TableNames:
+        return sql.TableNames(self.database, table)
+
+    def _command(self, names: sql.TableNames, what: str, statement: str, parameters: dict | None = None) -> Any:
+        try:
+            return self._connect().command(statement, parameters=parameters)
+        except ClickHouseError as error:
+            raise TargetError(names.describe(f"{what} failed: {error}")) from error
+
+    def _rows(self, names: sql.TableNames, what: str, statement: str, parameters: dict | None = None) -> list:
+        try:
+            return self._connect().query(statement, parameters=parameters).result_rows
+        except ClickHouseError as error:
+            raise TargetError(names.describe(f"{what} failed: {error}")) from error
+
+    # -- tables ----------------------------------------------------------------------------------
+
+    def _table_columns(self, names: sql.TableNames, table_name: str) -> list[TargetColumn]:
+        rows = self._rows(
+            names,
+            "reading columns",
+            "SELECT name, type FROM system.columns WHERE database = {db:String} AND table = {t:String} ORDER BY position",
+            {"db": self.database, "t": table_name},
+        )
+        return [TargetColumn(name, kind) for name, kind in rows]
+
+    def _shadow_exists(self, names: sql.TableNames) -> bool:
+        return bool(int(self._command(names, "looking for a resync table", f"EXISTS TABLE {names.shadow}")))
+
+    def _write_targets(self, names: sql.TableNames) -> list[str]:
+        return [names.live] + ([names.shadow] if self._shadow_exists(names) else [])
+
+    def ensure_table(self, table: TableSchema) -> SchemaChange:
+        sql.check_columns(table)
+        names = self._names(table)
+        change = SchemaChange()
+        existing = {c.name: c.type for c in self._table_columns(names, names.table_name)}
+        if not existing:
+            self._command(names, "creating the table", sql.create_table(names.live, table))
+            change.created = True
+        else:
+            targets = self._write_targets(names)
+            for column in table.columns:
+                expected = clickhouse_type(column)
+                current = existing.get(column.name)
+                if current is None:
+                    alteration = f"ADD COLUMN {sql.column_definition(column)}"
+                    change.added_columns.append(column.name)
+                elif current in (expected, f"Nullable({expected})"):
+                    continue  # a column that became NOT NULL keeps accepting NULL: nothing to do
+                elif expected == f"Nullable({current})" and not column.primary_key:
+                    alteration = f"MODIFY COLUMN {sql.column_definition(column)}"  # now nullable
+                else:
+                    change.incompatible.append(
+                        f"{column.name}: source type {column.type_name} maps to {expected}, "
+                        f"the table has {current} (resync the table to rebuild it)"
+                    )
+                    continue
+                for target in targets:
+                    self._command(names, f"altering column {column.name!r}", f"ALTER TABLE {target} {alteration}")
+        if change.created or change.added_columns:
+            self._command(names, "creating the current-rows view", sql.create_view(names))
+        return change
+
+    def describe_columns(self, table: TableSchema) -> list[TargetColumn]:
+        names = self._names(table)
+        return self._table_columns(names, names.table_name)
+
+    def drop_table(self, table: TableSchema) -> None:
+        names = self._names(table)
+        self._command(names, "dropping the view", f"DROP VIEW IF EXISTS {names.view}")
+        for target in (names.live, names.shadow):
+            self._command(names, "dropping the table", f"DROP TABLE IF EXISTS {target}")
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def _stage(self, names: sql.TableNames) -> Iterator[str]:
+        stage = names.qualified(f"_siphon_stage_{uuid.uuid4().hex}")
+        self._command(names, "creating a staging table", sql.create_stage(stage, names.table))
+        try:
+            yield stage
+        finally:
+            self._command(names, "dropping a staging table", f"DROP TABLE IF EXISTS {stage}")
+
+    def _staged_count(self, names: sql.TableNames, stage: str) -> int:
+        return int(self._rows(names, "counting staged rows", f"SELECT count() FROM {stage}")[0][0])
+
+    def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
+        if rows.num_rows == 0:
+            return 0
+        names = self._names(table)
+        expected = change_batch_schema(table)
+        if rows.schema.names != expected.names:
+            raise TargetError(names.describe(f"batch columns {rows.schema.names} differ from {expected.names}"))
+        width = len(table.columns)
+        # Staging names are positional; the version travels as text (ClickHouse parses it as UInt128).
+        staged = pa.table(
+            [rows.column(i) for i in range(width)]
+            + [pc.cast(rows.column(width), pa.string()), pc.cast(rows.column(width + 1), pa.uint8())],
+            names=[sql.stage_column(i) for i in range(width)] + [sql.STAGE_VERSION, sql.STAGE_DELETED],
+        )
+        with self._stage(names) as stage:
+            try:
+                self._connect().insert_arrow(stage, staged)
+            except ClickHouseError as error:
+                raise TargetError(names.describe(f"staging {rows.num_rows} rows failed: {error}")) from error
+            for target in self._write_targets(names):
+                self._command(names, "applying a batch", sql.insert_from_stage(target, stage, table))
+        return rows.num_rows
+
+    def apply_copy_text(
+        self, table: TableSchema, chunks: Iterable[bytes], version: int, *, shadow: bool = False
+    ) -> int:
+        names = self._names(table)
+        sent = {"rows": 0, "unterminated": False}
+
+        def counted() -> Iterator[bytes]:
+            # The chunks stream straight into the HTTP request; only the row count is kept here.
+            for chunk in chunks:
+                if chunk:
+                    sent["rows"] += chunk.count(b"\n")
+                    sent["unterminated"] = not chunk.endswith(b"\n")
+                    yield chunk
+
+        targets = [names.shadow] if shadow else self._write_targets(names)
+        columns = [sql.stage_column(i) for i in range(len(table.columns))]
+        with self._stage(names) as stage:
+            try:
+                # PostgreSQL's COPY text escapes (\b \f \n \r \t \v \\ and \N for NULL) are the
+                # escapes ClickHouse's TabSeparated reads, so the bytes need no rewriting.
+                self._connect().raw_insert(stage, columns, insert_block=counted(), fmt="TabSeparated")
+            except ClickHouseError as error:
+                raise TargetError(names.describe(f"loading COPY text failed: {error}")) from error
+            expected = sent["rows"] + (1 if sent["unterminated"] else 0)
+            staged = self._staged_count(names, stage)
+            if staged != expected:
+                # A transport retry could resend only the rest of a stream: never apply a partial load.
+                raise TargetError(names.describe(f"staged {staged} rows of {expected} sent; the snapshot must be retried"))
+            for target in targets:
+                self._command(
+                    names,
+                    "applying a snapshot",
+                    sql.insert_from_stage(target, stage, table, version_parameter="siphon_version"),
+                    {"siphon_version": version},
+                )
+        return expected
+
+    def tombstone_all(self, table: TableSchema, version: int) -> int:
+        names = self._names(table)
+        parameters = {"siphon_version": version}
+        count = self._rows(
+            names,
+            "counting rows to tombstone",
+            f"SELECT count() FROM {names.view} WHERE {sql.quote(sql.VERSION_COLUMN)} < {{siphon_version:UInt128}}",
+            parameters,
+        )[0][0]
+        for target in self._write_targets(names):
+            self._command(names, "tombstoning every row", sql.tombstone_keys(target, table, "siphon_version"), parameters)
+        return int(count)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def read_current_values(
+        self, table: TableSchema, keys: Sequence[tuple[str, ...]], columns: Sequence[str]
+    ) -> dict[tuple[str, ...], dict[str, str | None]]:
+        names = self._names(table)
+        key_names = [c.name for c in table.key_columns]
+        selected = sql.rendered_columns(table, key_names + list(columns))
+        found: dict[tuple[str, ...], dict[str, str | None]] = {}
+        for start in range(0, len(keys), KEYS_PER_LOOKUP):
+            part = [list(key) for key in keys[start : start + KEYS_PER_LOOKUP]]
+            rows = self._rows(
+                names,
+                "reading current values",
+                f"SELECT {', '.join(selected)} FROM {names.view} WHERE {sql.key_filter(table, 'siphon_keys')}",
+                {"siphon_keys": part},
+            )
+            for row in rows:
+                found[tuple(row[: len(key_names)])] = dict(zip(columns, row[len(key_names) :], strict=True))
+        return found
+
+    def current_rows_as_text(self, table: TableSchema) -> list[tuple[str | None, ...]]:
+        names = self._names(table)
+        selected = sql.rendered_columns(table, list(table.column_names))
+        statement = f"SELECT {', '.join(selected)} FROM {names.view} ORDER BY {sql.key_order(table)}"
+        return [tuple(row) for row in self._rows(names, "reading current rows", statement)]
+
+    def count_current(self, table: TableSchema) -> int:
+        names = self._names(table)
+        return int(self._rows(names, "counting current rows", f"SELECT count() FROM {names.view}")[0][0])
+
+    def max_version(self, table: TableSchema) -> int:
+        names = self._names(table)
+        # As text: a UInt128 aggregate must not pass through a float anywhere on the way.
+        statement = f"SELECT toString(max({sql.quote(sql.VERSION_COLUMN)})) FROM {names.live}"
+        return int(self._rows(names, "reading the greatest version", statement)[0][0])
+
+    # -- resync ----------------------------------------------------------------------------------
+
+    def create_shadow(self, table: TableSchema) -> None:
+        sql.check_columns(table)
+        names = self._names(table)
+        self._command(names, "dropping an old resync table", f"DROP TABLE IF EXISTS {names.shadow}")
+        self._command(names, "creating the resync table", sql.create_table(names.shadow, table))
+
+    def swap_shadow(self, table: TableSchema) -> None:
+        names = self._names(table)
+        if not self._shadow_exists(names):
+            raise TargetError(names.describe("no resync table to swap in; run create_shadow first"))
+        try:
+            # Atomic databases exchange both names in one step: readers see the old or the new table.
+            self._connect().command(f"EXCHANGE TABLES {names.live} AND {names.shadow}")
+        except ClickHouseError:
+            # Ordinary databases cannot exchange; one RENAME statement moves both names.
+            retired = names.qualified(f"{names.table_name}__retired_{uuid.uuid4().hex[:8]}")
+            self._command(
+                names,
+                "swapping in the resync table",
+                f"RENAME TABLE {names.live} TO {retired}, {names.shadow} TO {names.live}, {retired} TO {names.shadow}",
+            )
+        self._command(names, "dropping the previous table", f"DROP TABLE IF EXISTS {names.shadow}")
+        self._command(names, "recreating the current-rows view", sql.create_view(names))
+
+    def drop_shadow(self, table: TableSchema) -> None:
+        names = self._names(table)
+        self._command(names, "dropping the resync table", f"DROP TABLE IF EXISTS {names.shadow}")
+

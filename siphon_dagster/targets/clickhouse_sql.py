@@ -1,0 +1,182 @@
+"""ClickHouse statements for one replicated table, built from its schema and the type mapping.
+
+Identifiers always go through `quote`. Values are server-side parameters (`{name:Type}`), never
+text spliced into SQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clickhouse_connect.driver.binding import escape_str
+
+from siphon_core.naming import current_view_name, target_table_name
+from siphon_dagster.targets.base import (
+    DELETED_COLUMN,
+    META_COLUMNS,
+    SYNCED_AT_COLUMN,
+    VERSION_COLUMN,
+    SourceColumn,
+    TableSchema,
+    TargetError,
+    shadow_table_name,
+)
+from siphon_dagster.targets.type_mapping import clickhouse_type, mapping_for
+
+META_TYPES = {VERSION_COLUMN: "UInt128", DELETED_COLUMN: "UInt8", SYNCED_AT_COLUMN: "DateTime64(6, 'UTC')"}
+NOW = "now64(6, 'UTC')"
+
+# Staging columns: positional names, so awkward source names never reach the staging table.
+STAGE_VERSION = "_v"
+STAGE_DELETED = "_d"
+
+
+def quote(identifier: str) -> str:
+    """A backquoted identifier for any name.
+
+    clickhouse-connect's `quote_identifier` returns a name unchanged when it already looks quoted
+    (e.g. a column literally named `"x"`), which would silently rename it; this always quotes.
+    """
+    return f"`{escape_str(identifier)}`"
+
+
+def stage_column(index: int) -> str:
+    return f"c{index}"
+
+
+@dataclass(frozen=True)
+class TableNames:
+    database: str
+    table: TableSchema
+
+    def qualified(self, name: str) -> str:
+        return f"{quote(self.database)}.{quote(name)}"
+
+    @property
+    def table_name(self) -> str:
+        return target_table_name(self.table.schema, self.table.table)
+
+    @property
+    def live(self) -> str:
+        return self.qualified(self.table_name)
+
+    @property
+    def shadow_name(self) -> str:
+        return shadow_table_name(self.table.schema, self.table.table)
+
+    @property
+    def shadow(self) -> str:
+        return self.qualified(self.shadow_name)
+
+    @property
+    def view(self) -> str:
+        return self.qualified(current_view_name(self.table.schema, self.table.table))
+
+    def describe(self, what: str) -> str:
+        return f"clickhouse {self.database}.{self.table_name} ({self.table.schema}.{self.table.table}): {what}"
+
+
+def check_columns(table: TableSchema) -> None:
+    if not table.key_columns:
+        raise TargetError(
+            f"{table.schema}.{table.table} has no primary key; the version rule needs one "
+            "(add a primary key at the source)"
+        )
+    clashes = [c.name for c in table.columns if c.name in META_COLUMNS]
+    if clashes:
+        raise TargetError(f"{table.schema}.{table.table}: column names {clashes} are reserved for Siphon's own columns")
+
+
+def column_definition(column: SourceColumn) -> str:
+    return f"{quote(column.name)} {clickhouse_type(column)}"
+
+
+def create_table(target: str, table: TableSchema) -> str:
+    """Every version of every row; merges keep the greatest version per key, tombstones included.
+
+    `_siphon_deleted` as ReplacingMergeTree's is_deleted column makes `FINAL` drop keys whose latest
+    version is a tombstone. Tombstones are never cleaned up (that needs an explicit
+    `OPTIMIZE ... FINAL CLEANUP`, which Siphon never runs): a removed tombstone would let an older
+    change applied later come back.
+    """
+    columns = [column_definition(c) for c in table.columns]
+    columns += [f"{quote(name)} {kind}" for name, kind in META_TYPES.items()]
+    order_by = ", ".join(quote(c.name) for c in table.key_columns)
+    return (
+        f"CREATE TABLE IF NOT EXISTS {target} ({', '.join(columns)}) "
+        f"ENGINE = ReplacingMergeTree({quote(VERSION_COLUMN)}, {quote(DELETED_COLUMN)}) ORDER BY ({order_by})"
+    )
+
+
+def create_view(names: TableNames) -> str:
+    # FINAL resolves versions at read time, so the view is right before any merge has happened.
+    selected = [quote(c.name) for c in names.table.columns] + [quote(VERSION_COLUMN), quote(SYNCED_AT_COLUMN)]
+    return (
+        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {', '.join(selected)} "
+        f"FROM {names.live} FINAL WHERE {quote(DELETED_COLUMN)} = 0"
+    )
+
+
+def create_stage(stage: str, table: TableSchema) -> str:
+    columns = [f"{quote(stage_column(i))} Nullable(String)" for i in range(len(table.columns))]
+    columns += [f"{quote(STAGE_VERSION)} String", f"{quote(STAGE_DELETED)} UInt8"]
+    # MergeTree keeps a large snapshot on disk rather than in the server's memory.
+    return f"CREATE TABLE {stage} ({', '.join(columns)}) ENGINE = MergeTree ORDER BY tuple()"
+
+
+def _converted(column: SourceColumn, operand: str) -> str:
+    expression = mapping_for(column).clickhouse.convert(operand)
+    kind = clickhouse_type(column)
+    if kind.startswith("Nullable("):
+        return expression
+    # A tombstone carries only its key; NOT NULL columns then hold the type's default.
+    return f"ifNull({expression}, defaultValueOfTypeName('{escape_str(kind)}'))"
+
+
+def insert_from_stage(target: str, stage: str, table: TableSchema, version_parameter: str | None = None) -> str:
+    """Converts staged text into the table's types inside ClickHouse.
+
+    With `version_parameter` every row gets that version and is not deleted (a snapshot);
+    otherwise each row carries its own version and delete flag.
+    """
+    columns = [quote(c.name) for c in table.columns] + [quote(name) for name in META_TYPES]
+    values = [_converted(c, quote(stage_column(i))) for i, c in enumerate(table.columns)]
+    if version_parameter is None:
+        values += [f"toUInt128({quote(STAGE_VERSION)})", quote(STAGE_DELETED)]
+    else:
+        values += [f"{{{version_parameter}:UInt128}}", "0"]
+    values.append(NOW)
+    return f"INSERT INTO {target} ({', '.join(columns)}) SELECT {', '.join(values)} FROM {stage}"
+
+
+def tombstone_keys(target: str, table: TableSchema, version_parameter: str) -> str:
+    """TRUNCATE: a tombstone with the truncate's version for every key whose latest version is older.
+
+    Keys already deleted are tombstoned again with the newer version, so a replayed change older
+    than the truncate cannot revive them.
+    """
+    keys = [quote(c.name) for c in table.key_columns]
+    meta = [quote(name) for name in META_TYPES]
+    return (
+        f"INSERT INTO {target} ({', '.join(keys + meta)}) "
+        f"SELECT {', '.join(keys)}, {{{version_parameter}:UInt128}}, 1, {NOW} FROM {target} "
+        f"GROUP BY {', '.join(keys)} HAVING max({quote(VERSION_COLUMN)}) < {{{version_parameter}:UInt128}}"
+    )
+
+
+def rendered_columns(table: TableSchema, names: list[str]) -> list[str]:
+    return [mapping_for(table.column(name)).clickhouse.render(quote(name)) for name in names]
+
+
+def key_order(table: TableSchema) -> str:
+    return ", ".join(quote(c.name) for c in table.key_columns)
+
+
+def key_filter(table: TableSchema, keys_parameter: str) -> str:
+    """`WHERE` on the key for keys given as text in an Array(Array(String)) parameter."""
+    keys = table.key_columns
+    converted = ", ".join(mapping_for(c).clickhouse.convert(f"k[{i + 1}]") for i, c in enumerate(keys))
+    columns = ", ".join(quote(c.name) for c in keys)
+    if len(keys) > 1:
+        columns = f"({columns})"
+    return f"{columns} IN (SELECT {converted} FROM (SELECT arrayJoin({{{keys_parameter}:Array(Array(String))}}) AS k))"

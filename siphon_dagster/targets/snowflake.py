@@ -1,0 +1,305 @@
+"""The Snowflake target: one row per key, kept by a version-guarded MERGE from a staged batch.
+
+Batches are staged as text in a temporary table and converted by Snowflake itself with the type
+mapping's expressions, so the stream and snapshots share one conversion.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from itertools import islice
+from typing import Any
+
+import pyarrow as pa
+import snowflake.connector
+from snowflake.connector.errors import Error as SnowflakeError
+
+from siphon_core.config import SnowflakeTargetConfig
+from siphon_dagster.targets import snowflake_sql as sql
+from siphon_dagster.targets.base import (
+    SchemaChange,
+    TableSchema,
+    TargetColumn,
+    TargetError,
+    change_batch_schema,
+)
+from siphon_dagster.targets.copy_text import iter_copy_rows
+from siphon_dagster.targets.type_mapping import snowflake_type
+
+# Rows per INSERT ... VALUES statement into the stage, and an upper bound on its bind parameters.
+STAGE_ROWS_PER_STATEMENT = 1000
+MAX_BINDS_PER_STATEMENT = 16000
+# Keys per lookup statement in read_current_values.
+KEYS_PER_LOOKUP = 500
+
+
+class SnowflakeTarget:
+    name = "snowflake"
+
+    def __init__(self, config: SnowflakeTargetConfig) -> None:
+        self.config = config
+        self.database = sql.configured_identifier(config.database)
+        self.schema = sql.configured_identifier(config.schema_)
+        self._connection: Any = None
+
+    # -- connection ------------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        if self._connection is None:
+            options: dict[str, Any] = {
+                "account": self.config.account,
+                "user": self.config.user,
+                "password": self.config.password,
+                "paramstyle": "qmark",  # server-side binding: values never become SQL text
+                "autocommit": True,
+            }
+            for key in ("warehouse", "role", "host", "port", "protocol"):
+                if getattr(self.config, key) is not None:
+                    options[key] = getattr(self.config, key)
+            try:
+                connection = snowflake.connector.connect(**options)
+                cursor = connection.cursor()
+                cursor.execute(f"CREATE DATABASE IF NOT EXISTS {sql.quote(self.database)}")
+                schema = f"{sql.quote(self.database)}.{sql.quote(self.schema)}"
+                cursor.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+                # Temporary stage tables are created unqualified, in the session's current schema.
+                cursor.execute(f"USE SCHEMA {schema}")
+            except SnowflakeError as error:
+                raise TargetError(
+                    f"snowflake: cannot open {self.database}.{self.schema} as {self.config.user}@{self.config.account}: "
+                    f"{error}; check targets.snowflake in siphon.yaml and the account's privileges"
+                ) from error
+            self._connection = connection
+        return self._connection
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _names(self, table: TableSchema) -> sql.TableNames:
+        return sql.TableNames(self.database, self.schema, table)
+
+    def _execute(self, names: sql.TableNames, what: str, statement: str, params: Sequence[Any] | None = None) -> Any:
+        cursor = self._connect().cursor()
+        try:
+            cursor.execute(statement, params)
+        except SnowflakeError as error:
+            raise TargetError(names.describe(f"{what} failed: {error}")) from error
+        return cursor
+
+    def _fetch(self, names: sql.TableNames, what: str, statement: str, params: Sequence[Any] | None = None) -> list:
+        return self._execute(names, what, statement, params).fetchall()
+
+    # -- tables ----------------------------------------------------------------------------------
+
+    def _table_columns(self, names: sql.TableNames, table_name: str) -> list[TargetColumn]:
+        rows = self._fetch(
+            names,
+            "reading columns",
+            f"SELECT column_name, data_type, numeric_precision, numeric_scale "
+            f"FROM {sql.quote(self.database)}.information_schema.columns "
+            "WHERE table_schema = ? AND table_name = ? ORDER BY ordinal_position",
+            (self.schema, table_name),
+        )
+        return [TargetColumn(name, sql.normalized_type(kind, precision, scale)) for name, kind, precision, scale in rows]
+
+    def _shadow_exists(self, names: sql.TableNames) -> bool:
+        rows = self._fetch(
+            names,
+            "looking for a resync table",
+            f"SELECT COUNT(*) FROM {sql.quote(self.database)}.information_schema.tables "
+            "WHERE table_schema = ? AND table_name = ?",
+            (self.schema, names.shadow_name),
+        )
+        return bool(rows[0][0])
+
+    def ensure_table(self, table: TableSchema) -> SchemaChange:
+        sql.check_columns(table)
+        names = self._names(table)
+        change = SchemaChange()
+        existing = {c.name: c.type for c in self._table_columns(names, names.table_name)}
+        if not existing:
+            self._execute(names, "creating the table", sql.create_table(names.live, table))
+            change.created = True
+        else:
+            targets = [names.live] + ([names.shadow] if self._shadow_exists(names) else [])
+            for column in table.columns:
+                expected = sql.declared_type(snowflake_type(column))
+                if column.name not in existing:
+                    for target in targets:
+                        self._execute(
+                            names,
+                            f"adding column {column.name!r}",
+                            f"ALTER TABLE {target} ADD COLUMN {sql.column_definition(column)}",
+                        )
+                    change.added_columns.append(column.name)
+                elif existing[column.name] != expected:
+                    change.incompatible.append(
+                        f"{column.name}: source type {column.type_name} maps to {expected}, "
+                        f"the table has {existing[column.name]} (resync the table to rebuild it)"
+                    )
+        if change.created or change.added_columns:
+            self._execute(names, "creating the current-rows view", sql.create_view(names))
+        return change
+
+    def describe_columns(self, table: TableSchema) -> list[TargetColumn]:
+        names = self._names(table)
+        return self._table_columns(names, names.table_name)
+
+    def drop_table(self, table: TableSchema) -> None:
+        names = self._names(table)
+        self._execute(names, "dropping the view", f"DROP VIEW IF EXISTS {names.view}")
+        for target in (names.live, names.shadow):
+            self._execute(names, "dropping the table", f"DROP TABLE IF EXISTS {target}")
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def _stage(self, names: sql.TableNames) -> Iterator[str]:
+        stage = f"siphon_stage_{uuid.uuid4().hex}"
+        self._execute(names, "creating a stage table", sql.create_stage(stage, names.table))
+        try:
+            yield stage
+        finally:
+            self._execute(names, "dropping a stage table", f"DROP TABLE IF EXISTS {sql.quote(stage)}")
+
+    def _fill_stage(self, names: sql.TableNames, stage: str, rows: Iterable[list[Any]]) -> int:
+        width = len(names.table.columns) + 2
+        per_statement = max(1, min(STAGE_ROWS_PER_STATEMENT, MAX_BINDS_PER_STATEMENT // width))
+        # One multi-row INSERT per slice: a few round trips per batch, and never more than one slice
+        # of rows held here.
+        total = 0
+        iterator = iter(rows)
+        while batch := list(islice(iterator, per_statement)):
+            params = [value for row in batch for value in row]
+            self._execute(names, "staging rows", sql.insert_stage(stage, names.table, len(batch)), params)
+            total += len(batch)
+        return total
+
+    def _merge(self, names: sql.TableNames, stage: str, targets: Sequence[str]) -> None:
+        for target in targets:
+            self._execute(names, "merging a batch", sql.merge(target, stage, names.table))
+
+    def _write_targets(self, names: sql.TableNames) -> list[str]:
+        return [names.live] + ([names.shadow] if self._shadow_exists(names) else [])
+
+    def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
+        if rows.num_rows == 0:
+            return 0
+        names = self._names(table)
+        expected = change_batch_schema(table)
+        if rows.schema.names != expected.names:
+            raise TargetError(names.describe(f"batch columns {rows.schema.names} differ from {expected.names}"))
+        columns = [rows.column(i).to_pylist() for i in range(rows.num_columns)]
+        version_index = len(table.columns)
+        # Versions travel as text: a 96-bit integer is not a bind type every client agrees on.
+        columns[version_index] = [str(v) for v in columns[version_index]]
+        with self._stage(names) as stage:
+            self._fill_stage(names, stage, (list(row) for row in zip(*columns, strict=True)))
+            self._merge(names, stage, self._write_targets(names))
+        return rows.num_rows
+
+    def apply_copy_text(
+        self, table: TableSchema, chunks: Iterable[bytes], version: int, *, shadow: bool = False
+    ) -> int:
+        names = self._names(table)
+        width = len(table.columns)
+        version_text = str(version)
+
+        def staged_rows() -> Iterator[list[Any]]:
+            for number, values in enumerate(iter_copy_rows(chunks), start=1):
+                if len(values) != width:
+                    raise TargetError(
+                        names.describe(f"COPY row {number} has {len(values)} fields, the table has {width} columns")
+                    )
+                yield [*values, version_text, False]
+
+        targets = [names.shadow] if shadow else self._write_targets(names)
+        # Rows stream from the chunks into the stage table; the MERGE then runs inside Snowflake.
+        with self._stage(names) as stage:
+            count = self._fill_stage(names, stage, staged_rows())
+            self._merge(names, stage, targets)
+        return count
+
+    def tombstone_all(self, table: TableSchema, version: int) -> int:
+        names = self._names(table)
+        count = 0
+        for target in self._write_targets(names):
+            cursor = self._execute(names, "tombstoning every row", sql.tombstone_all(target), (str(version), str(version)))
+            if target == names.live:
+                count = cursor.rowcount or 0
+        return count
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def read_current_values(
+        self, table: TableSchema, keys: Sequence[tuple[str, ...]], columns: Sequence[str]
+    ) -> dict[tuple[str, ...], dict[str, str | None]]:
+        names = self._names(table)
+        key_names = [c.name for c in table.key_columns]
+        selected = sql.rendered_columns(table, key_names + list(columns))
+        found: dict[tuple[str, ...], dict[str, str | None]] = {}
+        for start in range(0, len(keys), KEYS_PER_LOOKUP):
+            part = keys[start : start + KEYS_PER_LOOKUP]
+            params = [value for key in part for value in key]
+            rows = self._fetch(
+                names,
+                "reading current values",
+                f"SELECT {', '.join(selected)} FROM {names.view} WHERE {sql.key_filter(table, len(part))}",
+                params,
+            )
+            for row in rows:
+                key = tuple(row[: len(key_names)])
+                found[key] = dict(zip(columns, row[len(key_names) :], strict=True))
+        return found
+
+    def current_rows_as_text(self, table: TableSchema) -> list[tuple[str | None, ...]]:
+        names = self._names(table)
+        selected = sql.rendered_columns(table, list(table.column_names))
+        rows = self._fetch(
+            names,
+            "reading current rows",
+            f"SELECT {', '.join(selected)} FROM {names.view} ORDER BY {sql.key_order(table)}",
+        )
+        return [tuple(row) for row in rows]
+
+    def count_current(self, table: TableSchema) -> int:
+        names = self._names(table)
+        return int(self._fetch(names, "counting current rows", f"SELECT COUNT(*) FROM {names.view}")[0][0])
+
+    def max_version(self, table: TableSchema) -> int:
+        names = self._names(table)
+        statement = f"SELECT CAST(MAX({sql.quote(sql.VERSION_COLUMN)}) AS VARCHAR) FROM {names.live}"
+        value = self._fetch(names, "reading the greatest version", statement)[0][0]
+        return int(value) if value is not None else 0
+
+    # -- resync ----------------------------------------------------------------------------------
+
+    def create_shadow(self, table: TableSchema) -> None:
+        sql.check_columns(table)
+        names = self._names(table)
+        self._execute(names, "dropping an old resync table", f"DROP TABLE IF EXISTS {names.shadow}")
+        self._execute(names, "creating the resync table", sql.create_table(names.shadow, table))
+
+    def swap_shadow(self, table: TableSchema) -> None:
+        names = self._names(table)
+        if not self._shadow_exists(names):
+            raise TargetError(names.describe("no resync table to swap in; run create_shadow first"))
+        try:
+            # One atomic step on Snowflake: readers of the view see the old or the new table.
+            self._connect().cursor().execute(f"ALTER TABLE {names.live} SWAP WITH {names.shadow}")
+        except SnowflakeError:
+            # Snowflake-compatible engines without SWAP WITH (fakesnow): three renames.
+            retired = names.qualified(f"{names.table_name}__retired_{uuid.uuid4().hex[:8]}")
+            self._execute(names, "retiring the live table", f"ALTER TABLE {names.live} RENAME TO {retired}")
+            self._execute(names, "renaming the resync table", f"ALTER TABLE {names.shadow} RENAME TO {names.live}")
+            self._execute(names, "renaming the retired table", f"ALTER TABLE {retired} RENAME TO {names.shadow}")
+        self._execute(names, "dropping the previous table", f"DROP TABLE IF EXISTS {names.shadow}")
+        self._execute(names, "recreating the current-rows view", sql.create_view(names))
+
+    def drop_shadow(self, table: TableSchema) -> None:
+        names = self._names(table)
+        self._execute(names, "dropping the resync table", f"DROP TABLE IF EXISTS {names.shadow}")
