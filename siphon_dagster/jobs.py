@@ -11,10 +11,15 @@ STREAM_TAG = "siphon/stream"
 
 
 class StreamRunConfig(dg.Config):
-    """Run config of a streaming job (`ops: {<job name>: {config: {...}}}`)."""
+    """Run config of a streaming job: `ops: {apply_<target>_<table>: {config: {stop_when_drained: true}}}`."""
 
     stop_when_drained: bool = False
     max_batches: int | None = None
+
+
+def stream_op_name(spec: TableSpec, target: str) -> str:
+    """`apply_clickhouse_notes`: the op to address in run config (`ops: {apply_clickhouse_notes: ...}`)."""
+    return f"apply_{target}_{spec.job_suffix}"
 
 
 def stream_tag_value(spec: TableSpec, target: str) -> str:
@@ -27,7 +32,7 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
     job_name = spec.stream_job_name(target)
 
     @dg.op(
-        name=job_name,
+        name=stream_op_name(spec, target),
         required_resource_keys={"source", "queue", "spark", resource_key},
         description=f"Pulls {spec.qualified_name}'s packages from JetStream and applies them to {target} with "
                     "PySpark, acking only what the target committed.",
