@@ -77,7 +77,6 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
                      f"{spec.stream_job_name(target)} keeps the table fresh in between."),
         )},
         required_resource_keys={"source", resource_key},
-        op_tags={"siphon/snapshot-source": spec.application_identifier},
     )
     def _snapshot(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         block_range = parse_key(context.partition_key, spec.table.blocks_per_partition)

@@ -202,8 +202,7 @@ def decode_logical_message(data: Buffer, in_stream: bool = False) -> LogicalMess
     (length,) = _UINT32(data, pos)
     content = data[pos + 4 : pos + 4 + length]
     if len(content) != length:
-        raise PgoutputError(f"logical message content of {length} bytes runs past the end of the "
-                            f"{len(data)}-byte message at offset {pos + 4}")
+        raise ValueError(f"the content of {length} bytes at offset {pos + 4} runs past the end")
     return LogicalMessage(bool(flags & 1), lsn, prefix, content, xid)
 
 
@@ -260,7 +259,7 @@ def _xid(data: Buffer, in_stream: bool) -> tuple[int | None, int]:
 def _string(data: bytes, pos: int) -> tuple[str, int]:
     end = data.find(0, pos)
     if end < 0:
-        raise PgoutputError(f"string starting at offset {pos} has no terminating NUL byte")
+        raise ValueError(f"the string starting at offset {pos} has no terminating NUL byte")
     return data[pos:end].decode(), end + 1
 
 

@@ -8,6 +8,7 @@ ClickHouse query context is, and each HTTP session keeps one connection of its o
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 import chdb
 
-from siphon_stack.clickhouse.protocol import ClickHouseError, RequestOptions, quote
+from siphon_stack.clickhouse.protocol import ClickHouseError, RequestOptions, identifier, quote
 
 Result = Any  # chdb's query_result: get_memview(), rows_read(), bytes_read(), rows_written(), elapsed()
 
@@ -42,7 +43,7 @@ class Connection:
             self._override(settings)
         target = database or self._own_database
         if target != self._current_database:
-            self.execute(f"USE {_identifier(target)}")
+            self.execute(f"USE {identifier(target)}")
             self._current_database = target
 
     def finish(self, statement: str) -> None:
@@ -63,10 +64,10 @@ class Connection:
         if not names:
             return
         listed = ", ".join(quote(name) for name in names)
-        rows = self.query(f"SELECT name, value FROM system.settings WHERE name IN ({listed})", "TabSeparated")
-        for line in rows.bytes().decode().splitlines():
-            name, value = line.split("\t", 1)
-            self._saved[name] = value.encode().decode("unicode_escape")
+        rows = self.query(f"SELECT name, value FROM system.settings WHERE name IN ({listed})", "JSONEachRow")
+        for line in rows.bytes().splitlines():
+            row = json.loads(line)
+            self._saved[row["name"]] = row["value"]
 
     def _restore(self, names: list[str]) -> None:
         values = {name: self._saved.pop(name) for name in names}
@@ -121,10 +122,6 @@ class Connection:
 
     def close(self) -> None:
         self.raw.close()
-
-
-def _identifier(name: str) -> str:
-    return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
 
 
 @dataclass
@@ -182,22 +179,20 @@ class Engine:
         finally:
             session.expires = time.monotonic() + options.session_timeout
             if options.close_session:
-                self._drop_session(session_id)
+                with self._lock:
+                    self._sessions.pop(session_id, None)
+                session.connection.close()
             session.lock.release()
 
-    def _drop_session(self, session_id: str) -> None:
-        with self._lock:
-            session = self._sessions.pop(session_id, None)
-        if session is not None:
-            session.connection.close()
-
     def expire_sessions(self) -> None:
-        """Closes sessions idle past their timeout, as ClickHouse does."""
+        """Closes sessions idle past their timeout, as ClickHouse does. Sessions are only taken
+        under the engine lock, so one found idle here cannot be taken before it is removed."""
         now = time.monotonic()
         with self._lock:
             expired = [sid for sid, s in self._sessions.items() if s.expires < now and not s.lock.locked()]
-        for session_id in expired:
-            self._drop_session(session_id)
+            sessions = [self._sessions.pop(session_id) for session_id in expired]
+        for session in sessions:
+            session.connection.close()
 
     def _enter(self) -> None:
         with self._lock:

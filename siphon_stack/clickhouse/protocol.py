@@ -23,6 +23,7 @@ TRANSPORT_PARAMS = frozenset(
         "session_check", "client_protocol_version", "close_session", "role",
     }
 )  # fmt: skip
+_EXTERNAL_SUFFIXES = ("_format", "_types", "_structure")
 DEFAULT_SESSION_TIMEOUT = 60
 MAX_SESSION_TIMEOUT = 3600
 READ_SIZE = 1 << 20
@@ -64,7 +65,9 @@ _HTTP_STATUS = {
 }  # fmt: skip
 
 _CODES = {
+    "BAD_ARGUMENTS": 36,
     "NOT_IMPLEMENTED": 48,
+    "SYNTAX_ERROR": 62,
     "UNKNOWN_FORMAT": 73,
     "UNKNOWN_COMPRESSION_METHOD": 89,
     "UNKNOWN_SETTING": 115,
@@ -73,6 +76,7 @@ _CODES = {
     "SESSION_NOT_FOUND": 372,
     "SESSION_IS_LOCKED": 373,
     "INVALID_SESSION_TIMEOUT": 374,
+    "CANNOT_SCHEDULE_TASK": 439,
     "STD_EXCEPTION": 1001,
 }
 
@@ -119,7 +123,9 @@ class RequestOptions:
     query_params: dict[str, str] = field(default_factory=dict)
 
 
-def request_options(params: dict[str, str], headers: dict[str, str], query_id: str) -> RequestOptions:
+def request_options(params: dict[str, str], headers: dict[str, str], query_id: str, form: bool) -> RequestOptions:
+    """With a multipart form, ClickHouse reads `<table>_format`, `_types` and `_structure` parameters
+    as the description of external tables, never as settings (whatever the prefix)."""
     _refuse_native_compression(params)
     options = RequestOptions(
         query_id=params.get("query_id") or headers.get("x-clickhouse-query-id") or query_id,
@@ -133,7 +139,7 @@ def request_options(params: dict[str, str], headers: dict[str, str], query_id: s
     for key, value in params.items():
         if key.startswith("param_"):
             options.query_params[key[len("param_") :]] = value
-        elif key and key not in TRANSPORT_PARAMS:
+        elif key and key not in TRANSPORT_PARAMS and not (form and key.endswith(_EXTERNAL_SUFFIXES)):
             options.settings[_setting_name(key)] = value
     return options
 
@@ -172,6 +178,11 @@ def _setting_name(name: str) -> str:
 def quote(value: str) -> str:
     """A ClickHouse string literal."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def identifier(name: str) -> str:
+    """A quoted ClickHouse identifier."""
+    return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
 
 
 class RequestBody:
@@ -265,7 +276,8 @@ def decoded(pieces: Iterator[bytes], content_encoding: str) -> Iterator[bytes]:
                 if decompressor.eof:
                     decompressor, within_frame = factory(), False
     except (zlib.error, zstandard.ZstdError, RuntimeError) as error:
-        raise ClickHouseError.of("CANNOT_DECOMPRESS", f"Cannot decompress the request body ({encoding}): {error}")
+        message = f"Cannot decompress the request body ({encoding}): {error}"
+        raise ClickHouseError.of("CANNOT_DECOMPRESS", message) from None
     if within_frame:
         raise ClickHouseError.of("CANNOT_DECOMPRESS", f"The request body ends within a {encoding} frame")
 
@@ -284,6 +296,39 @@ def form_fields(body: bytes, content_type: str) -> tuple[dict[str, str], dict[st
         else:
             fields[name] = payload.decode("utf-8", "replace")
     return fields, files
+
+
+@dataclass(frozen=True)
+class ExternalTable:
+    """A file sent with a query as a temporary table, as ClickHouse's HTTP interface allows."""
+
+    name: str
+    structure: str
+    format: str
+    data: bytes
+
+
+def external_tables(files: dict[str, bytes], params: dict[str, str]) -> list[ExternalTable]:
+    tables = []
+    for name, data in files.items():
+        structure = params.get(f"{name}_structure") or _structure_of_types(params.get(f"{name}_types", ""))
+        if not structure:
+            raise ClickHouseError.of("BAD_ARGUMENTS", f"Neither structure nor types have been provided for "
+                                     f"external table {name}. Use fields {name}_structure or {name}_types to do so")
+        tables.append(ExternalTable(name, structure, params.get(f"{name}_format") or "TabSeparated", data))
+    return tables
+
+
+def _structure_of_types(types: str) -> str:
+    """`UInt8,Array(String)` names its columns _1, _2, ... as ClickHouse does."""
+    columns, depth, start = [], 0, 0
+    for i, char in enumerate(types + ","):
+        depth += char == "("
+        depth -= char == ")"
+        if char == "," and depth == 0:
+            columns.append(types[start:i].strip())
+            start = i + 1
+    return ", ".join(f"_{n} {column}" for n, column in enumerate(columns, 1) if column)
 
 
 _CONTENT_TYPES = (
