@@ -72,7 +72,7 @@ class XLogData:
     data_start: int
     wal_end: int
     server_time: int
-    payload: bytes | memoryview  # a view of libpq's buffer: copy it to keep it past the batch
+    payload: bytes | memoryview  # a zero-copy view of the buffer libpq received, which it keeps alive
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,12 +214,19 @@ class ReplicationConnection:
                         break
                     else:
                         raise self._end_of_stream()
-                remaining = deadline - time.monotonic()
-                if messages or remaining <= 0 or not self._selector.select(remaining):
+                if messages:
+                    return messages
+                # With no time left, still take what already reached the socket (select(0)).
+                remaining = max(0.0, deadline - time.monotonic())
+                if not self._selector.select(remaining):
                     return messages
                 pgconn.consume_input()
         except OperationalError as error:
             raise ReplicationError(f"replication stream from {self._where} failed: {error}") from None
+
+    def fileno(self) -> int:
+        """The socket, for an event loop to wait on before a `read_batch(0)`."""
+        return self._pgconn.socket
 
     def send_status(self, written_lsn: int, flushed_lsn: int, applied_lsn: int,
                     reply_requested: bool = False) -> None:

@@ -205,7 +205,7 @@ class ProducerService:
         elif kind is m.Truncate:
             for relation_id in message.relation_ids:
                 self._change(relation_id, pb.TRUNCATE, None, None, None)
-        elif kind is m.Message and not message.transactional:
+        elif kind is m.LogicalMessage and not message.transactional:
             self._tracker.idle_position(message.lsn)
         # Origin and Type messages carry nothing a consumer needs: values travel as text.
 

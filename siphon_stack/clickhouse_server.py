@@ -9,6 +9,7 @@ ClickHouse's HTTP interface that clickhouse-connect uses, so every one of them c
 from __future__ import annotations
 
 import argparse
+import fcntl
 import signal
 import sys
 import threading
@@ -18,7 +19,7 @@ from types import FrameType
 from siphon_stack.clickhouse.engine import Engine
 from siphon_stack.clickhouse.handler import ClickHouseHTTPServer
 
-SHUTDOWN_GRACE_SECONDS = 30.0
+SHUTDOWN_GRACE_SECONDS = 10.0  # within the 20 s stop_pid() allows before SIGKILL
 SESSION_SWEEP_SECONDS = 1.0
 
 
@@ -26,10 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
+    holder = _lock_holder(data_dir)
+    if holder is not None:
+        _say(f"the chdb data directory {data_dir} is in use by another process ({holder}). A chdb data "
+             "directory can be opened by one process only: stop that process, or point clients at the "
+             "siphon-clickhouse that already serves it")
+        return 1
     try:
         engine = Engine(str(data_dir))
     except Exception as error:
-        _say(f"cannot open the chdb data directory {data_dir}: {_engine_message(error)}")
+        _say(f"cannot open the chdb data directory {data_dir}: {' '.join(str(error).split())}")
         return 1
     try:
         server = ClickHouseHTTPServer((args.host, args.port), engine)
@@ -63,12 +70,21 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _engine_message(error: Exception) -> str:
-    text = " ".join(str(error).split())
-    if "Cannot lock file" in text:
-        return (f"another process has it open ({text}). A chdb data directory can be opened by one "
-                "process only: stop that process, or point clients at the siphon-clickhouse already serving it")
-    return text
+def _lock_holder(data_dir: Path) -> str | None:
+    """Who holds the directory, if anyone. The engine's own refusal ("Cannot lock file .../status")
+    reaches only its stderr, so the lock it takes, an flock on `status`, is tested here first."""
+    status = data_dir / "status"
+    try:
+        with open(status, "rb") as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                details = file.read(200).decode(errors="replace").split("\n")
+                return "; ".join(line for line in details if line.strip()) or f"{status} is locked"
+            fcntl.flock(file, fcntl.LOCK_UN)
+    except FileNotFoundError:
+        return None
+    return None
 
 
 def _stop_on_signals(server: ClickHouseHTTPServer) -> None:

@@ -83,6 +83,17 @@ class ServerAccount:
         os.setuid(self.uid)
 
 
+def _require_traversable(path: Path, account: ServerAccount) -> None:
+    """The server account must be able to reach its data directory through every parent."""
+    for parent in path.resolve().parents:
+        mode = parent.stat().st_mode
+        if not mode & 0o001 and parent.stat().st_uid != account.uid:
+            raise StackError(
+                f"PostgreSQL runs as '{account.name}' (not as root), which cannot enter {parent} "
+                f"(mode {mode & 0o777:o}); use a directory whose parents others may enter, e.g. under /tmp "
+                "or the repository's var/")
+
+
 @dataclass
 class PostgresServer:
     root: Path
@@ -122,6 +133,8 @@ class PostgresServer:
 
     def initialize(self) -> None:
         account = ServerAccount.for_postgres()
+        if account:
+            _require_traversable(self.root, account)
         if self.data_dir.exists() and not (self.data_dir / "PG_VERSION").exists():
             raise StackError(f"{self.data_dir} exists but is not a PostgreSQL data directory; remove it or use another --dir")
         self.root.mkdir(parents=True, exist_ok=True)

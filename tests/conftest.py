@@ -3,7 +3,10 @@ stopped by the process id we started; per-test isolation by unique names."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +20,20 @@ from siphon_stack.snowflake import FakesnowServer
 
 
 @pytest.fixture(scope="session")
-def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
-    server = PostgresServer(tmp_path_factory.mktemp("postgres"), free_port(), find_bindir())
+def shared_tmp_dir() -> Iterator[Path]:
+    """A temporary directory that PostgreSQL's unprivileged account can enter (pytest's are private
+    to the user who runs the tests, and PostgreSQL never runs as root)."""
+    directory = Path(tempfile.mkdtemp(prefix="siphon-tests-"))
+    os.chmod(directory, 0o755)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server(shared_tmp_dir: Path) -> Iterator[PostgresServer]:
+    server = PostgresServer(shared_tmp_dir / "postgres", free_port(), find_bindir())
     server.initialize()
     pid = server.start()
     server.pid = pid  # type: ignore[attr-defined]  # tests that restart PostgreSQL need it

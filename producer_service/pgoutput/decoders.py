@@ -69,7 +69,7 @@ def decode_message(payload: Buffer, in_stream: bool = False) -> PgoutputMessage:
         return decoder(payload, in_stream)
     except PgoutputError:
         raise
-    except (struct.error, IndexError, ValueError, UnicodeDecodeError) as error:
+    except (struct.error, IndexError, ValueError) as error:  # ValueError covers UTF-8 and TupleData
         raise PgoutputError(f"malformed pgoutput {chr(kind)!r} message of {len(payload)} bytes: {error}") from None
 
 

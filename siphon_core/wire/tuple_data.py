@@ -25,6 +25,8 @@ _pack_count = _COUNT.pack
 _pack_length = _LENGTH.pack
 
 _TEXT, _BINARY, _NULL, _UNCHANGED = b"tbnu"
+_SIZED = (_TEXT, _BINARY)
+_SINGLE = (_NULL, _UNCHANGED)
 
 
 class TupleDataError(ValueError):
@@ -87,15 +89,15 @@ def decode_tuple(data: Buffer, offset: int = 0) -> tuple[list[Value], int]:
 
 def tuple_end(data: Buffer, offset: int = 0) -> int:
     """The offset just past the tuple starting at `offset`, reading only kinds and lengths."""
-    text, null, unchanged, binary, unpack_length = _TEXT, _NULL, _UNCHANGED, _BINARY, _unpack_length
+    sized, single, unpack_length = _SIZED, _SINGLE, _unpack_length
     try:
         (count,) = _unpack_count(data, offset)
         pos = offset + 2
         for index in range(count):
             kind = data[pos]
-            if kind == text or kind == binary:
+            if kind in sized:
                 pos += 5 + unpack_length(data, pos + 1)[0]
-            elif kind == null or kind == unchanged:
+            elif kind in single:
                 pos += 1
             else:
                 raise TupleDataError(f"unknown column kind {bytes([kind])!r} at offset {pos} (column {index})")
@@ -144,7 +146,7 @@ def project_tuple(data: Buffer, keep_indexes: Sequence[int]) -> bytes:
 
 def _column_bounds(data: Buffer) -> list[int]:
     """Start offsets of every column, then the end of the tuple."""
-    text, null, unchanged, binary, unpack_length = _TEXT, _NULL, _UNCHANGED, _BINARY, _unpack_length
+    sized, single, unpack_length = _SIZED, _SINGLE, _unpack_length
     try:
         (count,) = _unpack_count(data, 0)
         pos = 2
@@ -152,9 +154,9 @@ def _column_bounds(data: Buffer) -> list[int]:
         for index in range(count):
             bounds[index] = pos
             kind = data[pos]
-            if kind == text or kind == binary:
+            if kind in sized:
                 pos += 5 + unpack_length(data, pos + 1)[0]
-            elif kind == null or kind == unchanged:
+            elif kind in single:
                 pos += 1
             else:
                 raise TupleDataError(f"unknown column kind {bytes([kind])!r} at offset {pos} (column {index})")

@@ -85,6 +85,15 @@ def shadow_table_name(schema: str, table: str) -> str:
     return f"{target_table_name(schema, table)}__resync"
 
 
+def truncations_table_name(schema: str, table: str) -> str:
+    """Versions of the source's TRUNCATEs: rows older than the latest one are gone from the source.
+
+    Tombstones cover the rows a target holds when a TRUNCATE is applied; this also hides rows that
+    arrive later with an older version (a snapshot read before the TRUNCATE and landing after it).
+    """
+    return f"{target_table_name(schema, table)}__truncations"
+
+
 def change_batch_schema(table: TableSchema) -> pa.Schema:
     fields = [pa.field(c.name, pa.string()) for c in table.columns]
     fields.append(pa.field(VERSION_COLUMN, VERSION_ARROW_TYPE, nullable=False))
@@ -117,7 +126,8 @@ class Target(Protocol):
         """
 
     def tombstone_all(self, table: TableSchema, version: int) -> int:
-        """TRUNCATE: every current row gets a tombstone with `version` (older rows only)."""
+        """TRUNCATE: every current row gets a tombstone with `version` (older rows only), and rows
+        older than `version` applied later stay invisible."""
 
     def read_current_values(
         self, table: TableSchema, keys: Sequence[tuple[str, ...]], columns: Sequence[str]

@@ -23,6 +23,7 @@ from siphon_core.config import ClickHouseTargetConfig
 from siphon_dagster.targets import clickhouse_sql as sql
 from siphon_dagster.targets.base import (
     SchemaChange,
+    SourceColumn,
     TableSchema,
     TargetColumn,
     TargetError,
@@ -110,28 +111,53 @@ class ClickHouseTarget:
             self._command(names, "creating the table", sql.create_table(names.live, table))
             change.created = True
         else:
+            self._check_key(names, change)
             targets = self._write_targets(names)
             for column in table.columns:
-                expected = clickhouse_type(column)
-                current = existing.get(column.name)
-                if current is None:
-                    alteration = f"ADD COLUMN {sql.column_definition(column)}"
-                    change.added_columns.append(column.name)
-                elif current in (expected, f"Nullable({expected})"):
-                    continue  # a column that became NOT NULL keeps accepting NULL: nothing to do
-                elif expected == f"Nullable({current})" and not column.primary_key:
-                    alteration = f"MODIFY COLUMN {sql.column_definition(column)}"  # now nullable
-                else:
-                    change.incompatible.append(
-                        f"{column.name}: source type {column.type_name} maps to {expected}, "
-                        f"the table has {current} (resync the table to rebuild it)"
-                    )
-                    continue
-                for target in targets:
+                alteration = self._alteration(column, existing.get(column.name), change)
+                for target in targets if alteration else ():
                     self._command(names, f"altering column {column.name!r}", f"ALTER TABLE {target} {alteration}")
-        if change.created or change.added_columns:
+        view = [c.name for c in self._table_columns(names, names.view_name)]
+        if view != sql.view_columns(table):
+            # New table, new or dropped source columns: the view lists exactly the source's columns.
+            self._command(names, "creating the truncations table", sql.create_truncations(names))
             self._command(names, "creating the current-rows view", sql.create_view(names))
         return change
+
+    def _check_key(self, names: sql.TableNames, change: SchemaChange) -> None:
+        rows = self._rows(
+            names,
+            "reading the sorting key",
+            "SELECT name FROM system.columns WHERE database = {db:String} AND table = {t:String} "
+            "AND is_in_sorting_key ORDER BY position",
+            {"db": self.database, "t": names.table_name},
+        )
+        stored = sorted(row[0] for row in rows)
+        source = sorted(c.name for c in names.table.key_columns)
+        if stored != source:
+            change.incompatible.append(
+                f"primary key: the source's is {source}, the table is ordered by {stored} (resync the table to rebuild it)"
+            )
+
+    @staticmethod
+    def _alteration(column: SourceColumn, current: str | None, change: SchemaChange) -> str | None:
+        """The ALTER TABLE clause that makes a column follow the source, or None."""
+        expected = clickhouse_type(column)
+        if current is None:
+            change.added_columns.append(column.name)
+            # Rows written before the column existed have no value for it: NULL says so, where a
+            # NOT NULL column's default (0, '') would invent one.
+            nullable = expected if expected.startswith("Nullable(") else f"Nullable({expected})"
+            return f"ADD COLUMN {sql.quote(column.name)} {nullable}"
+        if current in (expected, f"Nullable({expected})"):
+            return None  # a column that became NOT NULL keeps accepting NULL: nothing to do
+        if expected == f"Nullable({current})" and not column.primary_key:
+            return f"MODIFY COLUMN {sql.column_definition(column)}"  # it became nullable
+        change.incompatible.append(
+            f"{column.name}: source type {column.type_name} maps to {expected}, "
+            f"the table has {current} (resync the table to rebuild it)"
+        )
+        return None
 
     def describe_columns(self, table: TableSchema) -> list[TargetColumn]:
         names = self._names(table)
@@ -140,8 +166,8 @@ class ClickHouseTarget:
     def drop_table(self, table: TableSchema) -> None:
         names = self._names(table)
         self._command(names, "dropping the view", f"DROP VIEW IF EXISTS {names.view}")
-        for target in (names.live, names.shadow):
-            self._command(names, "dropping the table", f"DROP TABLE IF EXISTS {target}")
+        for target in (names.live, names.shadow, names.truncations):
+            self._command(names, "dropping a table", f"DROP TABLE IF EXISTS {target}")
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -228,6 +254,7 @@ class ClickHouseTarget:
         )[0][0]
         for target in self._write_targets(names):
             self._command(names, "tombstoning every row", sql.tombstone_keys(target, table, "siphon_version"), parameters)
+        self._command(names, "recording the truncate", sql.record_truncation(names, "siphon_version"), parameters)
         return int(count)
 
     # -- reads -----------------------------------------------------------------------------------

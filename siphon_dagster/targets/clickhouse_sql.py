@@ -20,6 +20,7 @@ from siphon_dagster.targets.base import (
     TableSchema,
     TargetError,
     shadow_table_name,
+    truncations_table_name,
 )
 from siphon_dagster.targets.type_mapping import clickhouse_type, mapping_for
 
@@ -69,8 +70,16 @@ class TableNames:
         return self.qualified(self.shadow_name)
 
     @property
+    def truncations(self) -> str:
+        return self.qualified(truncations_table_name(self.table.schema, self.table.table))
+
+    @property
+    def view_name(self) -> str:
+        return current_view_name(self.table.schema, self.table.table)
+
+    @property
     def view(self) -> str:
-        return self.qualified(current_view_name(self.table.schema, self.table.table))
+        return self.qualified(self.view_name)
 
     def describe(self, what: str) -> str:
         return f"clickhouse {self.database}.{self.table_name} ({self.table.schema}.{self.table.table}): {what}"
@@ -108,12 +117,31 @@ def create_table(target: str, table: TableSchema) -> str:
     )
 
 
-def create_view(names: TableNames) -> str:
-    # FINAL resolves versions at read time, so the view is right before any merge has happened.
-    selected = [quote(c.name) for c in names.table.columns] + [quote(VERSION_COLUMN), quote(SYNCED_AT_COLUMN)]
+def view_columns(table: TableSchema) -> list[str]:
+    return [*table.column_names, VERSION_COLUMN, SYNCED_AT_COLUMN]
+
+
+def create_truncations(names: TableNames) -> str:
     return (
-        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {', '.join(selected)} "
-        f"FROM {names.live} FINAL WHERE {quote(DELETED_COLUMN)} = 0"
+        f"CREATE TABLE IF NOT EXISTS {names.truncations} ({quote(VERSION_COLUMN)} UInt128) "
+        "ENGINE = MergeTree ORDER BY tuple()"
+    )
+
+
+def record_truncation(names: TableNames, version_parameter: str) -> str:
+    return f"INSERT INTO {names.truncations} ({quote(VERSION_COLUMN)}) SELECT {{{version_parameter}:UInt128}}"
+
+
+def create_view(names: TableNames) -> str:
+    """Current rows: the latest version of each key, unless a tombstone or older than a TRUNCATE.
+
+    FINAL resolves versions at read time, so the view is right before any merge has happened.
+    """
+    selected = ", ".join(quote(name) for name in view_columns(names.table))
+    version = quote(VERSION_COLUMN)
+    return (
+        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {selected} FROM {names.live} FINAL "
+        f"WHERE {quote(DELETED_COLUMN)} = 0 AND {version} > (SELECT max({version}) FROM {names.truncations})"
     )
 
 

@@ -96,15 +96,21 @@ class SnowflakeTarget:
     # -- tables ----------------------------------------------------------------------------------
 
     def _table_columns(self, names: sql.TableNames, table_name: str) -> list[TargetColumn]:
+        return [TargetColumn(name, kind) for name, kind, _nullable in self._column_rows(names, table_name)]
+
+    def _column_rows(self, names: sql.TableNames, table_name: str) -> list[tuple[str, str, bool]]:
         rows = self._fetch(
             names,
             "reading columns",
-            f"SELECT column_name, data_type, numeric_precision, numeric_scale "
+            f"SELECT column_name, data_type, numeric_precision, numeric_scale, is_nullable "
             f"FROM {sql.quote(self.database)}.information_schema.columns "
             "WHERE table_schema = ? AND table_name = ? ORDER BY ordinal_position",
             (self.schema, table_name),
         )
-        return [TargetColumn(name, sql.normalized_type(kind, precision, scale)) for name, kind, precision, scale in rows]
+        return [
+            (name, sql.normalized_type(kind, precision, scale), nullable == "YES")
+            for name, kind, precision, scale, nullable in rows
+        ]
 
     def _shadow_exists(self, names: sql.TableNames) -> bool:
         rows = self._fetch(
@@ -120,28 +126,37 @@ class SnowflakeTarget:
         sql.check_columns(table)
         names = self._names(table)
         change = SchemaChange()
-        existing = {c.name: c.type for c in self._table_columns(names, names.table_name)}
+        rows = self._column_rows(names, names.table_name)
+        existing = {name: kind for name, kind, _nullable in rows}
         if not existing:
             self._execute(names, "creating the table", sql.create_table(names.live, table))
             change.created = True
         else:
-            targets = [names.live] + ([names.shadow] if self._shadow_exists(names) else [])
+            # Only key columns are NOT NULL (besides Siphon's own), so they tell the stored key.
+            stored_key = sorted(name for name, _kind, nullable in rows if not nullable and name not in sql.META_TYPES)
+            source_key = sorted(c.name for c in table.key_columns)
+            if stored_key != source_key:
+                change.incompatible.append(
+                    f"primary key: the source's is {source_key}, the table's is {stored_key} (resync the table to rebuild it)"
+                )
+            targets = self._write_targets(names)
             for column in table.columns:
                 expected = sql.declared_type(snowflake_type(column))
                 if column.name not in existing:
                     for target in targets:
-                        self._execute(
-                            names,
-                            f"adding column {column.name!r}",
-                            f"ALTER TABLE {target} ADD COLUMN {sql.column_definition(column)}",
-                        )
+                        # NULL where rows predate the column; a new column cannot join the key.
+                        definition = f"{sql.quote(column.name)} {snowflake_type(column)}"
+                        self._execute(names, f"adding column {column.name!r}", f"ALTER TABLE {target} ADD COLUMN {definition}")
                     change.added_columns.append(column.name)
                 elif existing[column.name] != expected:
                     change.incompatible.append(
                         f"{column.name}: source type {column.type_name} maps to {expected}, "
                         f"the table has {existing[column.name]} (resync the table to rebuild it)"
                     )
-        if change.created or change.added_columns:
+        view = [c.name for c in self._table_columns(names, names.view_name)]
+        if view != sql.view_columns(table):
+            # New table, new or dropped source columns: the view lists exactly the source's columns.
+            self._execute(names, "creating the truncations table", sql.create_truncations(names))
             self._execute(names, "creating the current-rows view", sql.create_view(names))
         return change
 
@@ -152,8 +167,8 @@ class SnowflakeTarget:
     def drop_table(self, table: TableSchema) -> None:
         names = self._names(table)
         self._execute(names, "dropping the view", f"DROP VIEW IF EXISTS {names.view}")
-        for target in (names.live, names.shadow):
-            self._execute(names, "dropping the table", f"DROP TABLE IF EXISTS {target}")
+        for target in (names.live, names.shadow, names.truncations):
+            self._execute(names, "dropping a table", f"DROP TABLE IF EXISTS {target}")
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -226,12 +241,16 @@ class SnowflakeTarget:
 
     def tombstone_all(self, table: TableSchema, version: int) -> int:
         names = self._names(table)
-        count = 0
+        count = self._fetch(
+            names,
+            "counting rows to tombstone",
+            f"SELECT COUNT(*) FROM {names.view} WHERE {sql.quote(sql.VERSION_COLUMN)} < CAST(? AS {sql.VERSION_TYPE})",
+            (str(version),),
+        )[0][0]
         for target in self._write_targets(names):
-            cursor = self._execute(names, "tombstoning every row", sql.tombstone_all(target), (str(version), str(version)))
-            if target == names.live:
-                count = cursor.rowcount or 0
-        return count
+            self._execute(names, "tombstoning every row", sql.tombstone_all(target), (str(version), str(version)))
+        self._execute(names, "recording the truncate", sql.record_truncation(names), (str(version),))
+        return int(count)
 
     # -- reads -----------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from siphon_dagster.targets.base import (
     TableSchema,
     TargetError,
     shadow_table_name,
+    truncations_table_name,
 )
 from siphon_dagster.targets.type_mapping import mapping_for, snowflake_type
 
@@ -79,8 +80,20 @@ class TableNames:
         return self.qualified(self.shadow_name)
 
     @property
+    def truncations_name(self) -> str:
+        return truncations_table_name(self.table.schema, self.table.table)
+
+    @property
+    def truncations(self) -> str:
+        return self.qualified(self.truncations_name)
+
+    @property
+    def view_name(self) -> str:
+        return current_view_name(self.table.schema, self.table.table)
+
+    @property
     def view(self) -> str:
-        return self.qualified(current_view_name(self.table.schema, self.table.table))
+        return self.qualified(self.view_name)
 
     def describe(self, what: str) -> str:
         return f"snowflake {self.database}.{self.schema}.{self.table_name} ({self.table.schema}.{self.table.table}): {what}"
@@ -109,11 +122,25 @@ def create_table(target: str, table: TableSchema) -> str:
     return f"CREATE TABLE IF NOT EXISTS {target} ({', '.join(columns)})"
 
 
+def view_columns(table: TableSchema) -> list[str]:
+    return [*table.column_names, VERSION_COLUMN, SYNCED_AT_COLUMN]
+
+
+def create_truncations(names: TableNames) -> str:
+    return f"CREATE TABLE IF NOT EXISTS {names.truncations} ({quote(VERSION_COLUMN)} {VERSION_TYPE} NOT NULL)"
+
+
+def record_truncation(names: TableNames) -> str:
+    return f"INSERT INTO {names.truncations} ({quote(VERSION_COLUMN)}) SELECT CAST(? AS {VERSION_TYPE})"
+
+
 def create_view(names: TableNames) -> str:
-    selected = [quote(c.name) for c in names.table.columns] + [quote(VERSION_COLUMN), quote(SYNCED_AT_COLUMN)]
+    """Current rows: not a tombstone and newer than the latest TRUNCATE."""
+    selected = ", ".join(quote(name) for name in view_columns(names.table))
+    version = quote(VERSION_COLUMN)
     return (
-        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {', '.join(selected)} "
-        f"FROM {names.live} WHERE NOT {quote(DELETED_COLUMN)}"
+        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {selected} FROM {names.live} "
+        f"WHERE NOT {quote(DELETED_COLUMN)} AND {version} > (SELECT COALESCE(MAX({version}), 0) FROM {names.truncations})"
     )
 
 

@@ -61,6 +61,16 @@ class ClickHouseHTTPServer(ThreadingHTTPServer):
 
 
 @dataclass
+class Reply:
+    """What is left to send once the engine is done. It goes out after the session is released:
+    a client sends the session's next query as soon as it has read the answer."""
+
+    headers: list[tuple[str, str]] | None  # None once a streamed answer's headers are out
+    payload: Any = b""
+    result: Result | None = None  # owns the payload's memory
+
+
+@dataclass
 class Statement:
     """The SQL of a request and, for an INSERT with inline data, that data as it arrives."""
 
@@ -93,6 +103,7 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
         headers = {name.lower(): value for name, value in self.headers.items()}
         body = RequestBody(self.rfile, headers)
         if url.path == "/ping" or (self.command == "GET" and not params.get("query")):
+            body.drain()
             self._send(200, [("Content-Type", "text/html; charset=UTF-8")], b"Ok.\n")
             return
         query_id = params.get("query_id") or str(uuid.uuid4())
@@ -111,18 +122,25 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
         statement = self._form_statement(params, headers, body) if form else self._statement(params, headers, body)
         options = request_options(params, headers, query_id, form)
         with self.server.engine.lease(options) as connection:
-            keyword = leading_keyword(statement.sql)
-            if self.command == "GET" and keyword in _MODIFYING_KEYWORDS:
-                raise ClickHouseError.of("READONLY", "Cannot execute query in readonly mode. For queries over "
-                                         "HTTP, method GET implies readonly. You should use method POST for "
-                                         "modifying queries")
-            connection.prepare(options.database, options.settings, keyword)
-            with _external_tables(connection, statement.external):
-                if statement.inline is not None:
-                    self._insert(connection, statement.inline, statement.data, options)
-                else:
-                    self._query(connection, statement.sql, keyword, options)
-            connection.finish(keyword)
+            reply = self._execute(connection, statement, options)
+        if reply.headers is None:
+            self.wfile.write(reply.payload)
+        else:
+            self._send(200, reply.headers, reply.payload)
+
+    def _execute(self, connection: Connection, statement: Statement, options: RequestOptions) -> Reply:
+        keyword = leading_keyword(statement.sql)
+        if self.command == "GET" and keyword in _MODIFYING_KEYWORDS:
+            raise ClickHouseError.of("READONLY", "Cannot execute query in readonly mode. For queries over HTTP, "
+                                     "method GET implies readonly. You should use method POST for modifying queries")
+        connection.prepare(options.database, options.settings, keyword)
+        with _external_tables(connection, statement.external):
+            if statement.inline is not None:
+                reply = self._insert(connection, statement.inline, statement.data, options)
+            else:
+                reply = self._query(connection, statement.sql, keyword, options)
+        connection.finish(keyword)
+        return reply
 
     def _statement(self, params: dict[str, str], headers: dict[str, str], body: RequestBody) -> Statement:
         """ClickHouse reads the `query` parameter, a line break, then the body as one text; an
@@ -150,16 +168,16 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
         data = iter([sql[inline.data_start :]]) if inline else iter(())
         return Statement(sql[: inline.data_start] if inline else sql, inline, data, external_tables(files, params))
 
-    def _insert(self, connection: Connection, inline: InlineInsert, data: Iterator[bytes], options: RequestOptions) -> None:
+    def _insert(self, connection: Connection, inline: InlineInsert, data: Iterator[bytes], options: RequestOptions) -> Reply:
         if inline.via_select:
             raise ClickHouseError.of("NOT_IMPLEMENTED", "INSERT ... SELECT with data in the request (input()) is "
                                      "not supported by the embedded server; insert the data with INSERT ... FORMAT")
         written = connection.insert(inline.statement, inline.format, data)
         summary = _summary(written_rows=written.rows_written, written_bytes=written.bytes_written,
                            elapsed=written.elapsed)
-        self._send(200, self._result_headers(None, options, summary), b"")
+        return Reply(self._result_headers(None, options, summary))
 
-    def _query(self, connection: Connection, sql: bytes, keyword: str, options: RequestOptions) -> None:
+    def _query(self, connection: Connection, sql: bytes, keyword: str, options: RequestOptions) -> Reply:
         text = sql.decode("utf-8", "replace")
         if not text.strip():
             raise ClickHouseError.of("SYNTAX_ERROR", "Empty query")
@@ -168,23 +186,21 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
             raise ClickHouseError.of("UNKNOWN_FORMAT", f"Unknown format {result_format}")
         if keyword in _SELECT_KEYWORDS and result_format in _STREAMED_FORMATS:
             with closing(connection.stream(text, result_format, options.query_params)) as blocks:
-                self._send_blocks(blocks, result_format, options)
-            return
+                return self._send_blocks(blocks, result_format, options)
         result = connection.query(text, result_format, options.query_params)
         shown_format = result_format if keyword in _RESULT_KEYWORDS else None
-        self._send(200, self._result_headers(shown_format, options, _result_summary(result)), _payload(result))
+        return Reply(self._result_headers(shown_format, options, _result_summary(result)), _payload(result), result)
 
-    def _send_blocks(self, blocks: Iterator[Result], result_format: str, options: RequestOptions) -> None:
+    def _send_blocks(self, blocks: Iterator[Result], result_format: str, options: RequestOptions) -> Reply:
         """A result of one block goes out whole, with its exact summary. A longer one is streamed
         as chunks; an error after the first chunk is written into the stream the way ClickHouse
         (25.11+) does it, between `__exception__` markers carrying a tag announced in a header."""
         first = next(blocks, None)
         second = next(blocks, None) if first is not None else None
+        if first is None:
+            return Reply(self._result_headers(result_format, options, _summary()))
         if second is None:
-            summary = _result_summary(first) if first is not None else _summary()
-            payload = _payload(first) if first is not None else b""
-            self._send(200, self._result_headers(result_format, options, summary), payload)
-            return
+            return Reply(self._result_headers(result_format, options, _result_summary(first)), _payload(first), first)
         tag = secrets.token_hex(8)
         headers = self._result_headers(result_format, options, _result_summary(first))
         headers.append(("X-ClickHouse-Exception-Tag", tag))
@@ -198,11 +214,10 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
             for block in chain([first, second], blocks):
                 self._write(_payload(block), chunked)
         except ClickHouseError as error:
-            self.log_error("query %s: failed while streaming its result: %s", options.query_id, error.text)
+            self.log_error("query %s: failed while streaming its result: %s", options.query_id, _first_line(error))
             self._write(self._exception_block(error, tag), chunked)
             self.close_connection = True
-        if chunked:
-            self.wfile.write(b"0\r\n\r\n")
+        return Reply(None, b"0\r\n\r\n" if chunked else b"")
 
     def _write(self, payload: Any, chunked: bool) -> None:
         if chunked:
@@ -231,7 +246,7 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
         return headers
 
     def _fail(self, error: ClickHouseError, body: RequestBody, query_id: str) -> None:
-        self.log_error("query %s: %s", query_id, error.text.splitlines()[0] if error.text else error.name)
+        self.log_error("query %s: %s", query_id, _first_line(error))
         if self._started:
             self.close_connection = True
             return
@@ -258,6 +273,10 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         self._started = True
+
+
+def _first_line(error: ClickHouseError) -> str:
+    return next(iter(error.text.splitlines()), error.name)
 
 
 def _read_at_least(pieces: Iterator[bytes], size: int) -> tuple[bytes, bool]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,12 +53,12 @@ def read_transaction(replication: ReplicationConnection, timeout: float = 30.0) 
     received: list[tuple[XLogData, PgoutputMessage]] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for item in replication.read_batch(1.0):
-            if isinstance(item, XLogData):
-                message = decoder.decode(item.payload)
-                received.append((item, message))
-                if isinstance(message, Commit):
-                    return received
+        item = replication.read(1.0)  # one at a time: what follows the Commit stays for the next call
+        if isinstance(item, XLogData):
+            message = decoder.decode(item.payload)
+            received.append((item, message))
+            if isinstance(message, Commit):
+                return received
     raise AssertionError(f"no Commit within {timeout:.0f}s; received {received}")
 
 
@@ -231,8 +232,9 @@ def test_slot_in_use_by_another_connection_names_its_pid(source):
 
         with pytest.raises(ReplicationError) as error:
             other.start(source.slot, [source.publication], 0)
+        holder_pid = holder.backend_pid
 
-    assert f"is active for PID {holder.backend_pid}" in str(error.value)
+    assert f"is active for PID {holder_pid}" in str(error.value)
     assert error.value.sqlstate == "55006"
 
 
@@ -302,13 +304,11 @@ def test_pinned_session_settings_override_database_defaults(postgres_server, uni
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(database))
 
 
-def test_capture_script_still_produces_the_committed_message_kinds(postgres_dsn):
+def test_capture_script_still_produces_the_committed_message_kinds(postgres_dsn, unique_name):
     """Keeps tests/fixtures/pgoutput_captures.json reproducible: same scenarios, same message kinds."""
-    import json
-
     committed = json.loads(capture_pgoutput.DEFAULT_OUTPUT.read_text())["scenarios"]
 
-    fresh = capture_pgoutput.capture(postgres_dsn)["scenarios"]
+    fresh = capture_pgoutput.capture(postgres_dsn, schema=unique_name)["scenarios"]
 
     def kinds(scenarios):
         return {name: sorted({m["name"].rstrip("_0123456789") for m in s["messages"]}) for name, s in scenarios.items()}

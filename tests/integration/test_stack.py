@@ -29,8 +29,8 @@ def read_env(path):
 
 
 @pytest.fixture(scope="module")
-def stack_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("stack")
+def stack_dir(shared_tmp_dir):
+    directory = shared_tmp_dir / "stack"
     result = run_cli("up", "--dir", str(directory))
     assert result.returncode == 0, result.stderr
     yield directory
@@ -88,7 +88,8 @@ def test_a_second_up_is_harmless_and_a_taken_directory_is_reused(stack_dir):
     assert (stack_dir / "stack.json").read_text() == before
 
 
-def test_down_stops_exactly_what_up_started_and_a_crash_leaves_nothing_blocking(tmp_path):
+def test_down_stops_exactly_what_up_started_and_a_crash_leaves_nothing_blocking(shared_tmp_dir):
+    tmp_path = shared_tmp_dir / "crashed"
     result = run_cli("up", "--dir", str(tmp_path), "--no-snowflake")
     assert result.returncode == 0, result.stderr
     state = json.loads((tmp_path / "stack.json").read_text())

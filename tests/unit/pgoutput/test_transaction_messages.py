@@ -1,6 +1,11 @@
 """Begin, Commit, Origin and logical decoding Message, on captured bytes."""
 
-from producer_service.pgoutput.decoders import decode_begin, decode_commit, decode_logical_message, decode_origin
+from producer_service.pgoutput.decoders import (
+    decode_begin,
+    decode_commit,
+    decode_logical_message,
+    decode_origin,
+)
 from producer_service.pgoutput.messages import Begin, Commit, LogicalMessage, Origin
 from siphon_core.naming import parse_lsn
 

@@ -1,0 +1,211 @@
+"""`StreamConsumer`: the streaming apply loop of one (target, table).
+
+A durable pull consumer on the table's subject; micro-batches cut by count, bytes and time; decode
+and fold in Spark; applied through the target; acked only after the target committed. A crash
+anywhere means redelivery, never loss, and duplicates are harmless under the version rule.
+
+Order matters for one thing: an unchanged TOASTed value is filled from the target's stored row,
+which must hold every earlier change. JetStream redelivers an unacknowledged message only after
+its ack wait, while newer messages flow at once; so a run that finds messages left unacknowledged
+by a previous run rewinds the consumer to its ack floor first, and the stream replays in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
+from pyspark.sql import SparkSession
+
+from siphon_core import naming
+from siphon_core.config import StreamingConfig, TableConfig
+from siphon_core.logs import get_logger
+from siphon_core.queue import JetStreamQueue
+from siphon_core.wire.packages import PackageError
+from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier
+from siphon_dagster.streaming.batch import PackageAssembler, ReceivedPackage
+from siphon_dagster.streaming.report import BatchReport, RunSummary
+from siphon_dagster.streaming.source_rows import SourceRowReader
+from siphon_dagster.streaming.strategy import ErrorStrategy, RetryPolicy, StreamApplyError
+from siphon_dagster.targets.base import Target
+
+_log = get_logger("streaming.consumer")
+_FETCH_STEP = 256  # messages per pull request: bounds how far a batch overshoots its byte limit
+
+
+class StreamConsumer:
+    """Applies one table's stream to one target. Not thread-safe; `stop()` may be called from any thread."""
+
+    def __init__(self, queue: JetStreamQueue, target: Target, table: TableConfig, spark: SparkSession,
+                 streaming: StreamingConfig | None = None, source: SourceRowReader | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        self.queue = queue
+        self.target = target
+        self.table = table
+        self.streaming = streaming or StreamingConfig()
+        application = queue.settings.application_identifier
+        self.subject = naming.table_subject(application, table.schema_name, table.table_name)
+        self.durable = naming.consumer_name(target.name, table.schema_name, table.table_name)
+        self.applier = BatchApplier(spark, target, table.schema_name, table.table_name, source)
+        self.strategy = ErrorStrategy(
+            table.on_error, queue, self.applier, retry or RetryPolicy(),
+            dead_letter_subject=naming.dead_letter_subject(application, table.schema_name, table.table_name),
+            durable=self.durable)
+        self._assembler = PackageAssembler()
+        self._held: dict[int, Msg] = {}  # slices of an event whose last slice has not arrived
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Asks the run to return after the batch in progress."""
+        self._stopping.set()
+
+    def run(self, stop_when_drained: bool = False, max_batches: int | None = None,
+            on_batch: Callable[[BatchReport], None] | None = None) -> RunSummary:
+        return asyncio.run(self.run_async(stop_when_drained, max_batches, on_batch))
+
+    async def run_async(self, stop_when_drained: bool = False, max_batches: int | None = None,
+                        on_batch: Callable[[BatchReport], None] | None = None) -> RunSummary:
+        summary = RunSummary()
+        await self.queue.connect()
+        try:
+            await self.queue.ensure_stream()
+            await self._rewind_if_interrupted()
+            subscription = await self.queue.pull_subscription(self.durable, self.subject)
+            while not self._stopping.is_set() and (max_batches is None or summary.batches < max_batches):
+                pulled_at = time.perf_counter()
+                messages = await self._pull(subscription)
+                report = await self._process(messages, pulled_at) if messages else None
+                if report is not None:
+                    summary.add(report)
+                    _log.info("batch applied", table=self.table.name, target=self.target.name,
+                              sequences=f"{report.first_sequence}-{report.last_sequence}", events=report.events,
+                              rows=report.rows_applied, lsn=report.applied_lsn_text, pending=report.pending,
+                              seconds=round(report.latency_seconds, 3))
+                    if on_batch is not None:
+                        on_batch(report)
+                if stop_when_drained:
+                    pending = report.pending if report is not None else await self._pending()
+                    if pending <= 0:
+                        break
+        finally:
+            await self.queue.close()
+        return summary
+
+    async def _rewind_if_interrupted(self) -> None:
+        """Replays from the ack floor when a previous run left messages unacknowledged."""
+        js = self.queue.js
+        try:
+            info = await js.consumer_info(self.queue.settings.stream, self.durable)
+        except NotFoundError:
+            return
+        if not info.num_ack_pending:
+            return
+        floor = info.ack_floor.stream_seq if info.ack_floor else 0
+        config = dataclasses.replace(info.config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                     opt_start_seq=floor + 1)
+        _log.warning("previous run left messages unacknowledged; replaying from the ack floor",
+                     table=self.table.name, target=self.target.name, unacknowledged=info.num_ack_pending,
+                     from_sequence=floor + 1)
+        await js.delete_consumer(self.queue.settings.stream, self.durable)
+        await js.add_consumer(self.queue.settings.stream, config)
+
+    async def _pull(self, subscription: JetStreamContext.PullSubscription) -> list[Msg]:
+        """Up to batch_max_messages / batch_max_bytes, waiting at most batch_max_wait_seconds."""
+        limits = self.streaming
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.batch_max_wait_seconds
+        messages: list[Msg] = []
+        size = 0
+        while len(messages) < limits.batch_max_messages and size < limits.batch_max_bytes:
+            remaining = deadline - loop.time()
+            if remaining < 0.01:
+                break
+            try:
+                got = await subscription.fetch(min(limits.batch_max_messages - len(messages), _FETCH_STEP),
+                                               timeout=remaining)
+            except TimeoutError:
+                break
+            messages += got
+            size += sum(len(m.data) for m in got)
+        return messages
+
+    async def _process(self, messages: Sequence[Msg], pulled_at: float) -> BatchReport | None:
+        by_sequence = {**self._held, **{m.metadata.sequence.stream: m for m in messages}}
+        packages: list[ReceivedPackage] = []
+        dead_lettered: list[int] = []
+        for message in messages:
+            sequence = message.metadata.sequence.stream
+            try:
+                package = self._assembler.accept(sequence, message.data)
+            except PackageError as error:
+                await self.strategy.undecodable(message, sequence, error)
+                dead_lettered.append(sequence)
+                continue
+            if package is not None:
+                packages.append(package)
+        held = set(self._assembler.held_sequences)
+        self._held = {s: by_sequence[s] for s in held if s in by_sequence}
+        for message in self._held.values():
+            await message.in_progress()  # keeps JetStream from redelivering them while we wait
+        timings: dict[str, float] = {"pull": round(time.perf_counter() - pulled_at, 4)}
+        applied: AppliedBatch | None = None
+        if packages:
+            applied, rejected = await self.strategy.apply(packages, by_sequence)
+            dead_lettered += rejected
+        done = [s for p in packages for s in p.sequences] + self._assembler.take_abandoned()
+        started = time.perf_counter()
+        await _ack([by_sequence[s] for s in done if s in by_sequence and s not in dead_lettered])
+        timings["ack"] = round(time.perf_counter() - started, 4)
+        if not packages and not dead_lettered:
+            return None
+        if applied is not None:
+            timings.update(applied.seconds)
+        return self._report(messages, packages, applied, dead_lettered, pulled_at, timings,
+                            await self._pending())
+
+    async def _pending(self) -> int:
+        """Messages still to apply; held slices count as applied-later, not as pending work."""
+        return max(0, await self.queue.pending(self.durable) - len(self._held))
+
+    def _report(self, messages: Sequence[Msg], packages: Sequence[ReceivedPackage], applied: AppliedBatch | None,
+                dead_lettered: list[int], pulled_at: float, timings: dict[str, float], pending: int) -> BatchReport:
+        sequences = [m.metadata.sequence.stream for m in messages]
+        applied_packages = [p for p in packages if p.sequence not in dead_lettered]
+        operations: dict[str, int] = {}
+        for package in applied_packages:
+            for name, count in package.operations.items():
+                operations[name] = operations.get(name, 0) + count
+        now_us = time.time() * 1_000_000
+        commit_times = [t for p in applied_packages for t in (p.oldest_commit_time_us, p.newest_commit_time_us) if t]
+        return BatchReport(
+            target=self.target.name, table=self.table.name,
+            first_sequence=min(sequences), last_sequence=max(sequences), messages=len(messages),
+            events=sum(operations.values()), rows_by_operation=operations,
+            rows_applied=applied.rows if applied is not None else 0,
+            applied_lsn=max((p.last_commit_lsn for p in applied_packages), default=0),
+            latency_seconds=time.perf_counter() - pulled_at,
+            lag_oldest_seconds=(now_us - min(commit_times)) / 1e6 if commit_times else 0.0,
+            lag_newest_seconds=(now_us - max(commit_times)) / 1e6 if commit_times else 0.0,
+            pending=pending, dead_lettered=tuple(dead_lettered),
+            unchanged_values_filled=applied.toast.total if applied is not None else 0,
+            seconds=timings,
+        )
+
+
+async def _ack(messages: Sequence[Msg]) -> None:
+    """Acks in order; waiting for the last ack's confirmation means every earlier one was processed."""
+    if not messages:
+        return
+    for message in messages[:-1]:
+        await message.ack()
+    await messages[-1].ack_sync()
+
+
+__all__ = ["BatchReport", "RetryPolicy", "RunSummary", "StreamApplyError", "StreamConsumer"]

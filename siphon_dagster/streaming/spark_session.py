@@ -1,0 +1,117 @@
+"""One Spark session per run, reused by every micro-batch.
+
+Local mode (the default) runs a small in-process Spark tuned to start fast and to suit batches of
+thousands of rows, not terabytes: two shuffle partitions instead of 200, no UI, loopback only.
+With `SparkConfig.remote` (or SIPHON_SPARK_REMOTE) set to an `sc://host:port` URL the run is a thin
+Spark Connect client instead, so many runs share one JVM (see DESIGN.md, section 4). Executors of a
+remote server need this project's `siphon_core` importable: the decode step runs there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+
+from pyspark.sql import SparkSession
+
+from siphon_core.config import SparkConfig
+from siphon_core.logs import get_logger
+
+REMOTE_ENVIRONMENT_VARIABLE = "SIPHON_SPARK_REMOTE"
+_log = get_logger("streaming.spark")
+_lock = threading.Lock()
+_session: SparkSession | None = None
+
+# Settings a session may change at run time; they apply to local and remote sessions alike.
+_RUNTIME_DEFAULTS = {
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.sql.execution.arrow.pyspark.fallback.enabled": "false",
+    "spark.sql.session.timeZone": "UTC",
+}
+# Settings fixed when the local JVM starts.
+_LOCAL_DEFAULTS = {
+    "spark.app.name": "siphon-streaming",
+    "spark.driver.memory": "1g",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.ui.retainedExecutions": "1",
+    # C1-only JIT and the serial collector: the JVM reaches its first job sooner, and a small
+    # heap gains nothing from a parallel collector.
+    "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+    "spark.python.worker.reuse": "true",
+}
+
+
+def remote_url(config: SparkConfig) -> str | None:
+    return config.remote or os.environ.get(REMOTE_ENVIRONMENT_VARIABLE) or None
+
+
+def local_cores(master: str) -> int:
+    match = re.fullmatch(r"local\[(\d+|\*)(?:,\d+)?\]", master.strip())
+    if match is None:
+        return 1 if master.strip() == "local" else 2
+    return (os.cpu_count() or 2) if match.group(1) == "*" else int(match.group(1))
+
+
+def get_spark_session(config: SparkConfig | None = None) -> SparkSession:
+    """The process's session, created on first use with `config` (later calls reuse it)."""
+    global _session
+    config = config or SparkConfig()
+    with _lock:
+        if _session is not None and _is_alive(_session):
+            return _session
+        started = time.perf_counter()
+        remote = remote_url(config)
+        _session = _connect(remote, config) if remote else _start_local(config)
+        _log.info("spark session ready", mode="connect" if remote else config.master,
+                  seconds=round(time.perf_counter() - started, 2))
+        return _session
+
+
+def stop_spark_session() -> None:
+    global _session
+    with _lock:
+        if _session is not None:
+            _session.stop()
+            _session = None
+
+
+def shuffle_partitions(spark: SparkSession) -> int:
+    return int(spark.conf.get("spark.sql.shuffle.partitions") or 2)
+
+
+def _start_local(config: SparkConfig) -> SparkSession:
+    # Python workers must run this interpreter (its venv has pyarrow, zstandard and siphon_core);
+    # Spark reads the variable, not a configuration key, when it forks them.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    cores = str(local_cores(config.master))
+    settings = {**_LOCAL_DEFAULTS, **_RUNTIME_DEFAULTS,
+                "spark.sql.shuffle.partitions": cores, "spark.default.parallelism": cores, **config.conf}
+    builder = SparkSession.builder.master(config.master)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("WARN")
+    return session
+
+
+def _connect(url: str, config: SparkConfig) -> SparkSession:
+    if not url.startswith("sc://"):
+        raise ValueError(f"spark.remote must be a Spark Connect URL like sc://host:15002, got {url!r}")
+    session = SparkSession.builder.remote(url).getOrCreate()
+    for key, value in {**_RUNTIME_DEFAULTS, **config.conf}.items():
+        session.conf.set(key, value)
+    return session
+
+
+def _is_alive(session: SparkSession) -> bool:
+    if getattr(session, "is_stopped", False):  # Spark Connect
+        return False
+    context = getattr(session, "_sc", None)
+    return context is None or context._jsc is not None  # a stopped local context has no JVM side

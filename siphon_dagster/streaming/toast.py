@@ -1,0 +1,206 @@
+"""Unchanged TOASTed values the fold could not fill from inside the batch, filled on the driver.
+
+PostgreSQL does not send a TOASTed value that an UPDATE left unchanged; the target must keep the
+stored value, never NULL (DESIGN.md, section 3). For each such value of a folded row, in order:
+1. the batch's own history of the old key, when the row's lineage starts at a primary-key update
+   (followed back through chains of key updates);
+2. the target's current row (under the old key for a primary-key update);
+3. the source, re-read by the row's own primary key: what it holds now is at least as new.
+Rows needing this are rare (updates that leave a large value alone), so per-row Python is fine.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+
+from siphon_core.logs import get_logger
+from siphon_core.wire import siphon_pb2 as pb
+from siphon_core.wire.tuple_data import decode_tuple
+from siphon_dagster.streaming.decode import value_column
+from siphon_dagster.streaming.source_rows import SourceRowReader
+from siphon_dagster.targets.base import TableSchema, Target
+
+_log = get_logger("streaming.toast")
+# Decoded rows (with `_version`) of the given keys: the batch history a lineage is followed through.
+HistoryReader = Callable[[list[bytes]], pa.Table]
+_MAX_KEY_UPDATE_CHAIN = 64
+
+
+class UnchangedValueError(RuntimeError):
+    """An unchanged TOASTed value has nowhere to come from; the message names the table and key."""
+
+
+@dataclass
+class ToastStats:
+    from_batch: int = 0
+    from_target: int = 0
+    from_source: int = 0
+    missing_at_source: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.from_batch + self.from_target + self.from_source + self.missing_at_source
+
+
+@dataclass
+class _Request:
+    row: int  # index of the folded row being filled
+    positions: set[int]
+    key: bytes | None  # the key whose stored row supplies the values; None: re-read from the source
+    before: Decimal | None = None  # follow the key's batch history below this version
+
+
+@dataclass
+class _Fills:
+    values: dict[int, dict[int, str | None]] = field(default_factory=lambda: defaultdict(dict))
+    stats: ToastStats = field(default_factory=ToastStats)
+
+
+def fill_unchanged(folded: pa.Table, table: TableSchema, target: Target, source: SourceRowReader | None,
+                   history: HistoryReader) -> tuple[pa.Table, ToastStats]:
+    """`folded` as `fold.fold` returns it, values already cast to strings; returns it filled."""
+    ops = folded.column("_op").to_pylist()
+    unresolved = folded.column("_unresolved").to_pylist()
+    rows = [r for r, (op, positions) in enumerate(zip(ops, unresolved, strict=True)) if positions and op != pb.DELETE]
+    if not rows:
+        return folded, ToastStats()
+    keys = folded.column("_key").to_pylist()
+    origins = folded.column("_origin").to_pylist()
+    reset_versions = folded.column("_reset_version").to_pylist()
+    fills = _Fills()
+    stored: list[_Request] = []
+    lineage: list[_Request] = []
+    for r in rows:
+        if origins[r] is None:
+            stored.append(_Request(r, set(unresolved[r]), keys[r]))
+        else:
+            lineage.append(_Request(r, set(unresolved[r]), origins[r], reset_versions[r]))
+    stored += _follow_lineage(lineage, history, fills)
+    fresh = _from_target(stored, table, target, fills)
+    _from_source(fresh, [keys[r] for r in range(folded.num_rows)], table, source, fills)
+    return _patch(folded, fills.values), fills.stats
+
+
+def _follow_lineage(requests: list[_Request], history: HistoryReader, fills: _Fills) -> list[_Request]:
+    """Follows each old key's batch history back from the key update; returns what is still open."""
+    open_requests: list[_Request] = []
+    for _ in range(_MAX_KEY_UPDATE_CHAIN):
+        if not requests:
+            return open_requests
+        by_key = _history_by_key(history(sorted({r.key for r in requests if r.key is not None})))
+        following: list[_Request] = []
+        for request in requests:
+            rest = _walk(request, by_key.get(request.key, []), fills)  # type: ignore[arg-type]
+            if rest is not None:
+                (following if rest.before is not None else open_requests).append(rest)
+        requests = following
+    raise UnchangedValueError(f"a chain of more than {_MAX_KEY_UPDATE_CHAIN} primary-key updates in one batch")
+
+
+def _walk(request: _Request, rows: list[dict[str, Any]], fills: _Fills) -> _Request | None:
+    """Fills what the key's history (newest first) knows below `request.before`; returns the rest."""
+    positions = set(request.positions)
+    for row in rows:
+        if row["_version"] >= request.before:
+            continue
+        if row["_op"] == pb.DELETE:
+            return _Request(request.row, positions, None)  # not possible before an update; ask the source
+        unchanged = set(row["_unchanged"] or ())
+        for position in positions - unchanged:
+            raw = row[value_column(position)]
+            fills.values[request.row][position] = None if raw is None else raw.decode()
+            fills.stats.from_batch += 1
+        positions &= unchanged
+        if not positions:
+            return None
+        if row["_reset"]:
+            if row["_origin"] is None:
+                return _Request(request.row, positions, None)
+            return _Request(request.row, positions, row["_origin"], row["_version"])
+    # The lineage reaches back before the batch: the stored row of this key holds the values.
+    return _Request(request.row, positions, request.key)
+
+
+def _history_by_key(rows: pa.Table) -> dict[bytes, list[dict[str, Any]]]:
+    by_key: dict[bytes, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows.to_pylist():
+        by_key[row["_key"]].append(row)
+    for versions in by_key.values():
+        versions.sort(key=lambda row: row["_version"], reverse=True)
+    return by_key
+
+
+def _from_target(requests: list[_Request], table: TableSchema, target: Target, fills: _Fills) -> list[_Request]:
+    """Fills from the target's current rows; returns the requests the target has no row for."""
+    asked = [r for r in requests if r.key is not None and r.positions]
+    missing = [r for r in requests if r.key is None and r.positions]
+    if not asked:
+        return missing
+    names = [c.name for c in table.columns]
+    columns = sorted({names[p] for r in asked for p in r.positions})
+    current = target.read_current_values(table, list(dict.fromkeys(_key_text(r.key) for r in asked)), columns)  # type: ignore[arg-type]
+    for request in asked:
+        row = current.get(_key_text(request.key))  # type: ignore[arg-type]
+        if row is None:
+            missing.append(request)
+            continue
+        for position in request.positions:
+            fills.values[request.row][position] = row.get(names[position])
+            fills.stats.from_target += 1
+    return missing
+
+
+def _from_source(requests: list[_Request], keys: Sequence[bytes], table: TableSchema,
+                 source: SourceRowReader | None, fills: _Fills) -> None:
+    """Re-reads by each folded row's own key (the row as the source holds it now)."""
+    if not requests:
+        return
+    names = [c.name for c in table.columns]
+    if source is None:
+        example = _key_text(keys[requests[0].row])
+        raise UnchangedValueError(
+            f"table {table.schema}.{table.table}: {len(requests)} row(s) (e.g. key {example}) carry unchanged "
+            "TOASTed values that neither the batch nor the target holds, and no source DSN was given to re-read "
+            "them; configure source.dsn for the streaming run")
+    columns = sorted({names[p] for r in requests for p in r.positions})
+    current = source.read_rows(table, [_key_text(keys[r.row]) for r in requests], columns)
+    for request in requests:
+        row = current.get(_key_text(keys[request.row]))
+        for position in request.positions:
+            if row is None:
+                # Deleted at the source since: the delete arrives later with a greater version.
+                fills.values[request.row][position] = None
+                fills.stats.missing_at_source += 1
+            else:
+                fills.values[request.row][position] = row[names[position]]
+                fills.stats.from_source += 1
+    if fills.stats.missing_at_source:
+        _log.warning("rows gone from the source while filling unchanged TOASTed values; a later delete "
+                     "will tombstone them", table=f"{table.schema}.{table.table}",
+                     values=fills.stats.missing_at_source)
+
+
+def _patch(folded: pa.Table, values: dict[int, dict[int, str | None]]) -> pa.Table:
+    by_position: dict[int, dict[int, str | None]] = defaultdict(dict)
+    for row, filled in values.items():
+        for position, value in filled.items():
+            by_position[position][row] = value
+    for position, filled in by_position.items():
+        name = value_column(position)
+        column = folded.column(name).to_pylist()
+        for row, value in filled.items():
+            column[row] = value
+        index = folded.schema.get_field_index(name)
+        folded = folded.set_column(index, name, pa.array(column, pa.string()))
+    return folded
+
+
+def _key_text(key: bytes) -> tuple[str, ...]:
+    values, _ = decode_tuple(key)
+    return tuple(None if v is None else bytes(v).decode() for v in values)  # type: ignore[arg-type, misc]

@@ -1,0 +1,247 @@
+"""The version rule at every target: the same scenarios, applied through the Target interface, for
+ClickHouse (embedded server) and Snowflake (fakesnow server).
+
+A scenario is a list of steps, each a change batch, a snapshot (COPY text) or a truncate, followed
+by the current rows the target must show, as PostgreSQL text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pytest
+
+from siphon_core.config import parse_config
+from siphon_dagster.targets import build_target
+from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, change_batch_schema
+
+TARGETS = ["clickhouse", "snowflake"]
+
+
+def make_target(request: pytest.FixtureRequest, name: str, unique_name: str) -> Target:
+    """A target whose database (ClickHouse) or schema (Snowflake) belongs to this test alone."""
+    targets: dict = {}
+    if name == "clickhouse":
+        targets["clickhouse"] = {"url": request.getfixturevalue("clickhouse_url"), "database": unique_name}
+    else:
+        env = request.getfixturevalue("snowflake_env")
+        targets["snowflake"] = {
+            "account": env["SIPHON_SNOWFLAKE_ACCOUNT"],
+            "user": env["SIPHON_SNOWFLAKE_USER"],
+            "password": env["SIPHON_SNOWFLAKE_PASSWORD"],
+            "host": env["SIPHON_SNOWFLAKE_HOST"],
+            "port": int(env["SIPHON_SNOWFLAKE_PORT"]),
+            "protocol": env["SIPHON_SNOWFLAKE_PROTOCOL"],
+            "database": "SIPHON",
+            "schema": unique_name,
+        }
+    config = parse_config(
+        {"application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"}, "tables": [{"name": "public.t"}], "targets": targets}
+    )
+    return build_target(name, config)
+
+
+@pytest.fixture(params=TARGETS)
+def target(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Target]:
+    built = make_target(request, request.param, unique_name)
+    yield built
+    built.close()
+
+
+NOTES = TableSchema(
+    "public",
+    "notes",
+    (
+        SourceColumn("id", 20, "bigint", nullable=False, primary_key=True),
+        SourceColumn("body", 25, "text"),
+        SourceColumn("score", 23, "integer", nullable=False),
+    ),
+)
+
+
+def batch(table: TableSchema, rows: list[tuple]) -> pa.Table:
+    """Rows as (value, ..., version, deleted) with values as PostgreSQL text."""
+    schema = change_batch_schema(table)
+    columns = list(zip(*rows, strict=True)) if rows else [[] for _ in schema]
+    return pa.table([pa.array(list(values), type=f.type) for values, f in zip(columns, schema, strict=True)], schema=schema)
+
+
+@dataclass
+class Rows:
+    rows: list[tuple]
+
+
+@dataclass
+class Snapshot:
+    copy_text: bytes
+    version: int
+
+
+@dataclass
+class Truncate:
+    version: int
+
+
+@dataclass
+class Scenario:
+    name: str
+    steps: list
+    current: list[tuple]
+    max_version: int
+    notes: list[str] = field(default_factory=list)
+
+
+def row(key: int, body: str | None, score: int, version: int, deleted: bool = False) -> tuple:
+    return (str(key), body, str(score), version, deleted)
+
+
+def tombstone(key: int, version: int) -> tuple:
+    # A delete carries the old key only; NOT NULL columns arrive empty too.
+    return (str(key), None, None, version, True)
+
+
+SCENARIOS = [
+    Scenario("in order", [Rows([row(1, "a", 1, 10)]), Rows([row(1, "b", 2, 20)])], [("1", "b", "2")], 20),
+    Scenario("older version applied later loses", [Rows([row(1, "new", 2, 20)]), Rows([row(1, "old", 1, 10)])], [("1", "new", "2")], 20),
+    Scenario(
+        "duplicate apply is idempotent",
+        [Rows([row(1, "a", 1, 10), row(2, "b", 2, 11)]), Rows([row(1, "a", 1, 10), row(2, "b", 2, 11)])],
+        [("1", "a", "1"), ("2", "b", "2")],
+        11,
+    ),
+    Scenario("versions out of order in one batch", [Rows([row(1, "v3", 3, 30), row(1, "v1", 1, 10), row(1, "v2", 2, 20)])], [("1", "v3", "3")], 30),
+    Scenario("latest version is a tombstone", [Rows([row(1, "a", 1, 10), tombstone(1, 20), row(2, "b", 2, 15)])], [("2", "b", "2")], 20),
+    Scenario("older insert after a delete stays deleted", [Rows([row(1, "a", 1, 10)]), Rows([tombstone(1, 30)]), Rows([row(1, "late", 9, 20)])], [], 30),
+    Scenario("newer insert after a delete revives the key", [Rows([row(1, "a", 1, 10)]), Rows([tombstone(1, 20)]), Rows([row(1, "c", 3, 30)])], [("1", "c", "3")], 30),
+    Scenario(
+        "snapshot older than the stream loses, newer wins",
+        [Rows([row(1, "stream", 5, 30)]), Snapshot(b"1\tsnap-old\t1\n2\tsnap-old\t2\n", 25), Snapshot(b"2\tsnap-new\t7\n", 35)],
+        [("1", "stream", "5"), ("2", "snap-new", "7")],
+        35,
+    ),
+    Scenario(
+        "truncate tombstones every older row, later changes still apply",
+        [
+            Rows([row(1, "a", 1, 10), row(2, "b", 2, 11)]),
+            Rows([tombstone(2, 12)]),
+            Truncate(50),
+            Rows([row(1, "replayed", 1, 40), row(2, "replayed", 2, 45)]),
+            Rows([row(3, "after", 3, 60)]),
+        ],
+        [("3", "after", "3")],
+        60,
+    ),
+    Scenario(
+        "snapshot read before a truncate and applied after it stays invisible",
+        [Rows([row(1, "a", 1, 10)]), Truncate(50), Snapshot(b"1\tsnap\t1\n2\tunseen\t2\n", 45), Snapshot(b"3\tnew\t3\n", 55)],
+        [("3", "new", "3")],
+        55,
+    ),
+    Scenario(
+        "versions beyond 64 bits order correctly",
+        [Rows([row(1, "high", 1, (0xFFFFFFFF_FFFFFFFF << 32) | 7)]), Rows([row(1, "low", 2, (0xFFFFFFFF_FFFFFFFF << 32) | 6)])],
+        [("1", "high", "1")],
+        (0xFFFFFFFF_FFFFFFFF << 32) | 7,
+    ),
+]
+
+
+def run_steps(target: Target, table: TableSchema, steps: list) -> None:
+    for step in steps:
+        if isinstance(step, Rows):
+            target.apply_rows(table, batch(table, step.rows))
+        elif isinstance(step, Snapshot):
+            target.apply_copy_text(table, iter([step.copy_text]), step.version)
+        else:
+            current_before = target.count_current(table)
+            assert target.tombstone_all(table, step.version) == current_before
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_version_rule(target: Target, scenario: Scenario) -> None:
+    assert target.ensure_table(NOTES).created
+    run_steps(target, NOTES, scenario.steps)
+    assert target.current_rows_as_text(NOTES) == scenario.current
+    assert target.count_current(NOTES) == len(scenario.current)
+    assert target.max_version(NOTES) == scenario.max_version
+
+
+AWKWARD = TableSchema(
+    'Sch "é" x',
+    'select "T" Table',
+    (
+        SourceColumn("Key One", 25, "text", nullable=False, primary_key=True),
+        SourceColumn("order", 23, "integer", nullable=False, primary_key=True),
+        SourceColumn('Val"ue`s\\', 25, "text"),
+        SourceColumn("Größe", 701, "double precision"),
+        SourceColumn("{x:String}%s", 16, "boolean"),
+    ),
+)
+
+
+def test_composite_key_and_awkward_identifiers(target: Target) -> None:
+    assert target.ensure_table(AWKWARD).created
+    rows = [
+        ("a b", "1", "first", "1.5", "t", 10, False),
+        ("a b", "2", "second", "NaN", "f", 11, False),
+        ("a b", "1", "older", "0", "f", 5, False),  # same key as the first, older: ignored
+        ("c'd", "1", "gone", None, None, 12, False),
+    ]
+    target.apply_rows(AWKWARD, batch(AWKWARD, rows))
+    target.apply_rows(AWKWARD, batch(AWKWARD, [("c'd", "1", None, None, None, 13, True)]))
+    target.apply_copy_text(AWKWARD, iter([b"a b\t2\tsnap\t-0\tt\n", b"e\\tf\t3\tx\\\\y\t1e+300\t\\N\n"]), 12)
+    assert target.current_rows_as_text(AWKWARD) == [
+        ("a b", "1", "first", "1.5", "t"),
+        ("a b", "2", "snap", "-0", "t"),
+        ("e\tf", "3", "x\\y", "1e+300", None),
+    ]
+    found = target.read_current_values(AWKWARD, [("a b", "2"), ("c'd", "1"), ("e\tf", "3")], ['Val"ue`s\\', "Größe"])
+    assert found == {("a b", "2"): {'Val"ue`s\\': "snap", "Größe": "-0"}, ("e\tf", "3"): {'Val"ue`s\\': "x\\y", "Größe": "1e+300"}}
+    described = [c.name for c in target.describe_columns(AWKWARD)]
+    assert described == [*AWKWARD.column_names, "_siphon_version", "_siphon_deleted", "_siphon_synced_at"]
+
+
+def test_new_source_column_is_added_and_type_change_reported(target: Target) -> None:
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "a", 1, 10)]))
+    grown = TableSchema("public", "notes", (*NOTES.columns, SourceColumn("tags", 1009, "text[]")))
+    change = target.ensure_table(grown)
+    assert (change.created, change.added_columns, change.incompatible) == (False, ["tags"], [])
+    target.apply_rows(grown, batch(grown, [("2", "b", "2", "{x,NULL}", 11, False)]))
+    assert target.current_rows_as_text(grown) == [("1", "a", "1", None), ("2", "b", "2", "{x,NULL}")]
+    retyped = TableSchema("public", "notes", (*NOTES.columns[:2], SourceColumn("score", 16, "boolean", nullable=False), grown.columns[3]))
+    change = target.ensure_table(retyped)
+    assert change.added_columns == [] and [c.split(":")[0] for c in change.incompatible] == ["score"]
+
+
+def test_resync_through_shadow_keeps_the_view_readable(target: Target) -> None:
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "drifted", 1, 10), row(2, "kept", 2, 10)]))
+    target.create_shadow(NOTES)
+    # The resync's snapshot goes to the shadow only; the stream meanwhile writes to both.
+    target.apply_copy_text(NOTES, iter([b"2\tkept\t2\n3\tnew\t3\n"]), 20, shadow=True)
+    target.apply_rows(NOTES, batch(NOTES, [row(3, "streamed", 4, 30)]))
+    assert target.current_rows_as_text(NOTES) == [("1", "drifted", "1"), ("2", "kept", "2"), ("3", "streamed", "4")]
+    target.swap_shadow(NOTES)
+    assert target.current_rows_as_text(NOTES) == [("2", "kept", "2"), ("3", "streamed", "4")]
+    target.apply_rows(NOTES, batch(NOTES, [tombstone(2, 40)]))
+    assert target.current_rows_as_text(NOTES) == [("3", "streamed", "4")]
+    target.drop_table(NOTES)
+    assert target.describe_columns(NOTES) == []
+
+
+def test_clickhouse_tombstones_survive_merges(request: pytest.FixtureRequest, unique_name: str) -> None:
+    """After a forced merge the tombstone is still there, so an older change applied later stays invisible."""
+    target = make_target(request, "clickhouse", unique_name)
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "a", 1, 10)]))
+    target.apply_rows(NOTES, batch(NOTES, [tombstone(1, 30)]))
+    client = target._connect()  # noqa: SLF001 - the merge is ClickHouse-specific
+    client.command(f"OPTIMIZE TABLE `{unique_name}`.`public__notes` FINAL")
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "late", 1, 20)]))
+    client.command(f"OPTIMIZE TABLE `{unique_name}`.`public__notes` FINAL")
+    assert target.current_rows_as_text(NOTES) == []
+    assert target.max_version(NOTES) == 30
+    target.close()
