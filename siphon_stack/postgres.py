@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from siphon_stack.process import StackError, port_accepts, start_process, stop_pid, wait_until
+from siphon_stack.process import StackError, pid_alive, port_accepts, start_process, stop_pid, wait_until
 
 SUPERUSER = "postgres"
 DATABASE = "siphon"
@@ -169,7 +169,7 @@ class PostgresServer:
         if stale_pid.exists():
             # Left by a crashed run; PostgreSQL itself refuses when that server still runs.
             first = stale_pid.read_text().split("\n", 1)[0].strip()
-            if first.isdigit() and Path(f"/proc/{first}").exists():
+            if first.isdigit() and pid_alive(int(first)):
                 raise StackError(f"a PostgreSQL server (pid {first}) still runs on {self.data_dir}; "
                                  "stop it with `siphon-stack down` first")
             stale_pid.unlink()

@@ -131,6 +131,7 @@ def check_keys(qualified_name: str, packages: Sequence[ReceivedPackage]) -> tupl
         keys = tuple(c.name for c in package.columns if c.primary_key)
         if keys != newest:
             raise SchemaChangeError(
-                f"table {qualified_name}: the primary key changed from {list(keys)} to {list(newest)} at stream "
-                f"sequence {package.sequence}; rebuild the table's targets with its resync job")
+                f"table {qualified_name}: the primary key changed from {list(keys)} (stream sequence "
+                f"{package.sequence}) to {list(newest)} (stream sequence {packages[-1].sequence}); rebuild the "
+                "table's targets with its resync job")
     return newest

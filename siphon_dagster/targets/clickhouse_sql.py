@@ -135,7 +135,9 @@ def record_truncation(names: TableNames, version_parameter: str) -> str:
 def create_view(names: TableNames) -> str:
     """Current rows: the latest version of each key, unless a tombstone or older than a TRUNCATE.
 
-    FINAL resolves versions at read time, so the view is right before any merge has happened.
+    FINAL resolves versions at read time, so the view is right before any merge has happened, and
+    drops keys whose latest version is a tombstone. The filters must stay in WHERE, which ClickHouse
+    applies after FINAL: a PREWHERE would run before it and let an older version show through.
     """
     selected = ", ".join(quote(name) for name in view_columns(names.table))
     version = quote(VERSION_COLUMN)

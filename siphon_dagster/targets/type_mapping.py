@@ -6,30 +6,8 @@ each type the table gives, per target, the column type, the SQL that converts th
 column) into the column type, and the SQL that renders the stored value back to PostgreSQL's exact
 text. The design's rule decides every row: a type maps to a target type that holds every value the
 PostgreSQL type can hold, or to text holding PostgreSQL's exact output; never to a lossy guess.
-
-The decisions that rule out a native type (each is a value PostgreSQL accepts and the target type
-cannot hold):
-- numeric, with or without typmod: NaN is a legal value of every numeric(p,s) column, and unbounded
-  numeric reaches 131072 digits and +-Infinity. Neither Decimal nor NUMBER can hold these -> text.
-- date, timestamp, timestamptz: PostgreSQL spans 4713 BC to 294276 AD plus +-infinity; ClickHouse
-  Date32/DateTime64 cover 1900-2299, Snowflake has no infinity -> text (ISO, UTC, sorts correctly
-  for years 1000-9999).
-- time: PostgreSQL accepts 24:00:00; timetz carries an offset -> text.
-- interval: months and days do not convert to a fixed duration -> text (postgres style).
-- arrays: a PostgreSQL array column holds arrays of any dimension count with any lower bounds
-  (`[0:1]={1,2}`), and an array can be NULL; ClickHouse Array cannot be Nullable and fixes the
-  dimension count -> text. NULL array -> NULL, empty array -> '{}', NULL element -> NULL inside the
-  text, exactly as PostgreSQL prints it.
-- json is kept byte for byte (whitespace, key order, duplicate keys), jsonb in its canonical
-  text; a JSON/VARIANT type would rewrite both -> text.
-- Snowflake float4/float8: Snowflake's float-to-text conversion is not documented to print the
-  shortest round-trip digits, so the exact text cannot be promised -> text (TO_DOUBLE reads it,
-  including 'NaN' and '+-Infinity'). ClickHouse prints shortest round-trip digits, which the
-  render expression reformats into PostgreSQL's layout, so ClickHouse keeps Float32/Float64.
-- Snowflake uuid: no uuid type -> text (PostgreSQL prints the canonical lower-case form).
-
-Enums, ranges, multiranges, composite and unknown user types are text; domains map by their base
-type. Columns are Nullable in ClickHouse when the source column is nullable and not a key.
+`DECISIONS` says why each native type was ruled out; `mapping_document()` is docs/type-mapping.md
+(regenerate with `python -m siphon_dagster.targets.type_mapping > docs/type-mapping.md`).
 """
 
 from __future__ import annotations
@@ -37,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from siphon_dagster.targets.base import SourceColumn
+from siphon_dagster.targets.clickhouse_float import FLOAT4, FLOAT8, float_text
 
 
 @dataclass(frozen=True)
@@ -64,39 +43,36 @@ class TypeMapping:
     why: str
 
 
-def _clickhouse_float_text(significant_exponent_limit: int) -> str:
-    """PostgreSQL's float output (extra_float_digits > 0) from a ClickHouse Float32/Float64.
+DECISIONS = """\
+Each decision below rules out a native type because of a value PostgreSQL accepts and the target
+type cannot hold:
 
-    Both PostgreSQL (Ryu) and ClickHouse print the shortest digits that round-trip; only the layout
-    differs. PostgreSQL prints fixed notation when the decimal exponent E is in [-4, limit) (limit
-    15 for float8, 6 for float4), otherwise d.ddde+XX with at least two exponent digits, and prints
-    NaN, Infinity, -Infinity, -0. The digits S and exponent E are taken from ClickHouse's text,
-    bound once through single-element arrayMap lambdas.
-    """
-    mantissa = "splitByChar('e', s)[1]"
-    digits = f"replaceRegexpAll({mantissa}, '[.]', '')"
-    significant = f"replaceRegexpOne(replaceRegexpOne({digits}, '^0+', ''), '0+$', '')"
-    leading_zeros = f"(length({digits}) - length(replaceRegexpOne({digits}, '^0+', '')))"
-    exponent = (
-        "toInt32(if(length(splitByChar('e', s)) > 1, toInt32(splitByChar('e', s)[2]), 0)"
-        f" + length(splitByChar('.', {mantissa})[1]) - 1 - {leading_zeros})"
-    )
-    layout = (
-        f"if(E >= -4 AND E < {significant_exponent_limit}, "
-        "if(E >= 0, if(length(S) <= E + 1, concat(S, repeat('0', toUInt32(E + 1 - length(S)))), "
-        "concat(substring(S, 1, E + 1), '.', substring(S, E + 2))), "
-        "concat('0.', repeat('0', toUInt32(-E - 1)), S)), "
-        "concat(substring(S, 1, 1), if(length(S) > 1, concat('.', substring(S, 2)), ''), 'e', "
-        "if(E < 0, '-', '+'), if(abs(E) < 10, '0', ''), toString(abs(E))))"
-    )
-    value = "assumeNotNull({0})"
-    reformat = f"arrayMap(s -> arrayMap((S, E) -> {layout}, [{significant}], [{exponent}])[1], [toString(abs({value}))])[1]"
-    return (
-        f"if(isNull({{0}}), NULL, multiIf(isNaN({value}), 'NaN', "
-        f"isInfinite({value}), if({value} > 0, 'Infinity', '-Infinity'), "
-        f"{value} = 0, toString({value}), concat(if({value} < 0, '-', ''), {reformat})))"
-    )
-
+- **numeric**, with or without typmod, text in both targets: `NaN` is a legal value of every
+  `numeric(p,s)` column (only infinities are refused there), and unconstrained numeric reaches
+  131072 digits and `+-Infinity`. Neither ClickHouse `Decimal` nor Snowflake `NUMBER` holds `NaN`,
+  so even `numeric(10,2)` would lose a legal value. Readers cast, e.g. `toDecimal128OrNull(c, 2)`,
+  `TRY_TO_NUMBER(c, 10, 2)`.
+- **date, timestamp, timestamptz**, text: PostgreSQL spans 4713 BC to 294276 AD (dates to
+  5874897 AD) plus `+-infinity`; ClickHouse `Date32`/`DateTime64` cover 1900-2299 and Snowflake
+  has no infinity. The text is ISO with a UTC offset, which sorts correctly for years 1000-9999;
+  `parseDateTime64BestEffortOrNull(c, 6, 'UTC')` / `TRY_TO_TIMESTAMP_TZ(c)` read it.
+- **time** (`24:00:00` is legal), **timetz** (keeps an offset), text.
+- **interval**, text (postgres style): months and days have no fixed length.
+- **arrays**, text: a PostgreSQL array column holds arrays of any dimension count with any lower
+  bounds (`[0:1]={1,2}`), and ClickHouse `Array` can neither be `Nullable` nor vary its dimension
+  count. The NULL-array rule: a NULL array is NULL, an empty array is `{}`, a NULL element is
+  `NULL` inside the text, exactly as PostgreSQL prints it.
+- **json** byte for byte (whitespace, key order, duplicate keys), **jsonb** in its canonical text:
+  a `JSON`/`VARIANT` column would rewrite both.
+- **float4/float8**: ClickHouse `Float32`/`Float64` (NaN, +-Infinity and -0 kept); the render
+  expression reproduces PostgreSQL's exact text, including the values where PostgreSQL's shortest
+  digits differ from ClickHouse's (`clickhouse_float.py`). Snowflake: text, because Snowflake's
+  float-to-text conversion is not documented to print shortest round-trip digits; `TO_DOUBLE(c)`
+  reads the text, `NaN` and `+-Infinity` included.
+- **uuid**: ClickHouse `UUID`; Snowflake has no uuid type, text (PostgreSQL's lower-case form).
+- **bytea**: the bytes themselves (ClickHouse `String`, Snowflake `BINARY`, up to 8 MB there).
+- Enums, ranges, multiranges, composite and extension types: text. Domains: as their base type.
+"""
 
 CLICKHOUSE_TEXT = TargetType("String", native=False)
 SNOWFLAKE_TEXT = TargetType("VARCHAR", native=False)
@@ -131,14 +107,14 @@ _NATIVE: dict[str, TypeMapping] = {
         TypeMapping("xid8", _ch_integer("UInt64"), _sf_number(20), "unsigned 64-bit"),
         TypeMapping(
             "float4",
-            TargetType("Float32", "toFloat32({0})", _clickhouse_float_text(6)),
+            TargetType("Float32", "toFloat32({0})", float_text(FLOAT4)),
             SNOWFLAKE_TEXT,
             "ClickHouse: IEEE single, NaN/Infinity/-0 kept, shortest digits re-laid out as PostgreSQL does; "
             "Snowflake: text (float text output not guaranteed shortest round-trip)",
         ),
         TypeMapping(
             "float8",
-            TargetType("Float64", "toFloat64({0})", _clickhouse_float_text(15)),
+            TargetType("Float64", "toFloat64({0})", float_text(FLOAT8)),
             SNOWFLAKE_TEXT,
             "ClickHouse: IEEE double, NaN/Infinity/-0 kept, shortest digits re-laid out as PostgreSQL does; "
             "Snowflake: text (float text output not guaranteed shortest round-trip)",
@@ -338,7 +314,7 @@ def mapping_markdown() -> str:
             if not target.native:
                 cells += ["x", "c"]
             elif target.type.startswith("Float"):
-                cells += [_code(target.convert("x")), "shortest digits laid out as PostgreSQL prints floats"]
+                cells += [_code(target.convert("x")), "PostgreSQL's exact float text (`clickhouse_float.py`)"]
             else:
                 cells += [_code(target.convert("x")), _code(target.render("c"))]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
@@ -349,3 +325,22 @@ def mapping_markdown() -> str:
         "TimeZone=UTC, extra_float_digits=3, bytea_output=hex.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def mapping_document() -> str:
+    """docs/type-mapping.md."""
+    intro = (
+        "# Type mapping\n\n"
+        "Generated by `python -m siphon_dagster.targets.type_mapping` from "
+        "`siphon_dagster/targets/type_mapping.py`; a unit test fails when it is stale.\n\n"
+        "Every value reaches a target as PostgreSQL's text output and is converted by the target "
+        "itself; every column maps to a target type that holds all of the PostgreSQL type's values, "
+        "or to text holding PostgreSQL's exact output. The integration test "
+        "`tests/integration/test_type_round_trip.py` reads every value back and compares it with "
+        "PostgreSQL's own text.\n\n"
+    )
+    return intro + DECISIONS + "\n" + mapping_markdown()
+
+
+if __name__ == "__main__":
+    print(mapping_document(), end="")

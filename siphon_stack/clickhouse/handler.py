@@ -27,7 +27,13 @@ from siphon_stack.clickhouse.protocol import (
     identifier,
     request_options,
 )
-from siphon_stack.clickhouse.sql import InlineInsert, find_inline_insert, leading_keyword, output_format
+from siphon_stack.clickhouse.sql import (
+    InlineInsert,
+    client_file_clause,
+    find_inline_insert,
+    leading_keyword,
+    output_format,
+)
 
 # How much of a body is scanned for an INSERT's SQL before its data streams on: the SQL sits at the
 # front, and ClickHouse's own limit for it (max_query_size) is 256 KiB.
@@ -181,6 +187,7 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
         text = sql.decode("utf-8", "replace")
         if not text.strip():
             raise ClickHouseError.of("SYNTAX_ERROR", "Empty query")
+        _refuse_client_files(sql)
         result_format = output_format(sql) or options.default_format
         if result_format.lower() in _PYTHON_FORMATS:
             raise ClickHouseError.of("UNKNOWN_FORMAT", f"Unknown format {result_format}")
@@ -232,9 +239,9 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
         return b"__exception__\r\n%s\r\n%s\n%d %s\r\n__exception__\r\n" % (tag.encode(), message, len(message),
                                                                          tag.encode())
 
-    def _result_headers(self, result_format: str | None, options: RequestOptions, summary: dict[str, str]) -> list[
-        tuple[str, str]
-    ]:
+    def _result_headers(
+        self, result_format: str | None, options: RequestOptions, summary: dict[str, str]
+    ) -> list[tuple[str, str]]:
         headers = [
             ("Content-Type", content_type(result_format)),
             ("X-ClickHouse-Query-Id", options.query_id),
@@ -273,6 +280,15 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         self._started = True
+
+
+def _refuse_client_files(sql: bytes) -> None:
+    """chdb would read or write such a file here, on the server; ClickHouse's server refuses."""
+    clause = client_file_clause(sql)
+    if clause == "INFILE":
+        raise ClickHouseError.of("UNKNOWN_TYPE_OF_QUERY", "Query has infile and was send directly to server")
+    if clause == "OUTFILE":
+        raise ClickHouseError.of("INTO_OUTFILE_NOT_ALLOWED", "INTO OUTFILE is not allowed")
 
 
 def _first_line(error: ClickHouseError) -> str:

@@ -28,7 +28,7 @@ DEFAULT_SESSION_TIMEOUT = 60
 MAX_SESSION_TIMEOUT = 3600
 READ_SIZE = 1 << 20
 _SETTING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_ENGINE_ERROR = re.compile(r"Code: (\d+)\. (?:DB::Exception: )?(.*)", re.DOTALL)
+_ENGINE_ERROR = re.compile(r"Code: (\d+)\..*", re.DOTALL)
 _ERROR_NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)\s*$")
 
 # ClickHouse's exceptionCodeToHTTPStatus, by error name; every other error is a 500.
@@ -64,15 +64,18 @@ _HTTP_STATUS = {
     "CANNOT_SCHEDULE_TASK": 503,
 }  # fmt: skip
 
+# ClickHouse's numbers for the errors this server reports itself.
 _CODES = {
     "BAD_ARGUMENTS": 36,
     "NOT_IMPLEMENTED": 48,
     "SYNTAX_ERROR": 62,
     "UNKNOWN_FORMAT": 73,
+    "UNKNOWN_TYPE_OF_QUERY": 78,
     "UNKNOWN_COMPRESSION_METHOD": 89,
     "UNKNOWN_SETTING": 115,
     "READONLY": 164,
     "CANNOT_DECOMPRESS": 271,
+    "INTO_OUTFILE_NOT_ALLOWED": 358,
     "SESSION_NOT_FOUND": 372,
     "SESSION_IS_LOCKED": 373,
     "INVALID_SESSION_TIMEOUT": 374,
@@ -124,8 +127,8 @@ class RequestOptions:
 
 
 def request_options(params: dict[str, str], headers: dict[str, str], query_id: str, form: bool) -> RequestOptions:
-    """With a multipart form, ClickHouse reads `<table>_format`, `_types` and `_structure` parameters
-    as the description of external tables, never as settings (whatever the prefix)."""
+    """Everything but `param_*` and ClickHouse's own parameters is a setting. With a multipart form,
+    `<table>_format`, `_types` and `_structure` describe external tables instead, as in ClickHouse."""
     _refuse_native_compression(params)
     options = RequestOptions(
         query_id=params.get("query_id") or headers.get("x-clickhouse-query-id") or query_id,
@@ -191,7 +194,8 @@ class RequestBody:
     def __init__(self, stream: BinaryIO, headers: dict[str, str]):
         self._stream = stream
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        self._remaining = int(headers.get("content-length") or 0)
+        # Bytes left in the body, or with chunked encoding in the current chunk.
+        self._remaining = 0 if self._chunked else int(headers.get("content-length") or 0)
         self.finished = not self._chunked and self._remaining == 0
 
     def pieces(self) -> Iterator[bytes]:

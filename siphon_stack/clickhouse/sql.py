@@ -146,6 +146,20 @@ def _unquote(name: bytes) -> str:
     return text[1:-1] if text[:1] in ('"', "`") else text
 
 
+def client_file_clause(sql: bytes) -> str | None:
+    """"INFILE" or "OUTFILE" when the statement reads or writes a file on the client's side
+    (`FROM INFILE`, `INTO OUTFILE`): only ClickHouse's own clients handle those."""
+    previous: Token | None = None
+    for token in _code(tokens(sql)):
+        if previous is not None:
+            if _is_keyword(sql, previous, "FROM") and _is_keyword(sql, token, "INFILE"):
+                return "INFILE"
+            if _is_keyword(sql, previous, "INTO") and _is_keyword(sql, token, "OUTFILE"):
+                return "OUTFILE"
+        previous = token
+    return None
+
+
 def output_format(sql: bytes) -> str | None:
     """The name in a trailing `FORMAT name [SETTINGS ...] [;]` clause of a query, if any."""
     found: str | None = None

@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import clickhouse_connect
 import numpy as np
 import pandas as pd
 import pytest
@@ -204,6 +205,15 @@ def test_a_session_serves_one_request_at_a_time(embedded_clickhouse: EmbeddedCli
     assert b"SESSION_IS_LOCKED" in body
 
 
+def test_an_idle_session_expires(embedded_clickhouse: EmbeddedClickHouse) -> None:
+    params = {"session_id": "short-lived", "session_timeout": "1"}
+    assert http(embedded_clickhouse, "CREATE TEMPORARY TABLE scratch (x UInt8)", params)[0] == 200
+    assert http(embedded_clickhouse, "EXISTS TEMPORARY TABLE scratch", params)[2] == b"1\n"
+    time.sleep(2.5)
+    status, headers, _ = http(embedded_clickhouse, "SELECT 1", {**params, "session_check": "1"})
+    assert (status, headers["X-ClickHouse-Exception-Code"]) == (500, "372")
+
+
 def test_bad_sql_raises_database_error_with_clickhouse_text(embedded_clickhouse: EmbeddedClickHouse) -> None:
     client = embedded_clickhouse.client()
     with pytest.raises(DatabaseError) as raised:
@@ -268,8 +278,6 @@ def test_command_data_raw_insert_and_external_data(embedded_clickhouse: Embedded
 
 def _worker(port: int, worker: int) -> tuple[int, int]:
     """One process of several: its own table, written and read in rounds, plus a shared table."""
-    import clickhouse_connect
-
     client = clickhouse_connect.get_client(host="127.0.0.1", port=port)
     table = f"worker_{worker}"
     client.command(f"CREATE TABLE {table} (id UInt64, text String) ENGINE = MergeTree ORDER BY id")

@@ -232,16 +232,23 @@ def test_resync_through_shadow_keeps_the_view_readable(target: Target) -> None:
     assert target.describe_columns(NOTES) == []
 
 
-def test_clickhouse_tombstones_survive_merges(request: pytest.FixtureRequest, unique_name: str) -> None:
-    """After a forced merge the tombstone is still there, so an older change applied later stays invisible."""
+def test_clickhouse_view_is_right_before_and_after_merges(request: pytest.FixtureRequest, unique_name: str) -> None:
+    """Unmerged parts holding several versions of a key, the newest a tombstone, read right through
+    the view; a forced merge keeps the tombstone, so an older change applied later stays invisible."""
     target = make_target(request, "clickhouse", unique_name)
     target.ensure_table(NOTES)
-    target.apply_rows(NOTES, batch(NOTES, [row(1, "a", 1, 10)]))
-    target.apply_rows(NOTES, batch(NOTES, [tombstone(1, 30)]))
-    client = target._connect()  # noqa: SLF001 - the merge is ClickHouse-specific
-    client.command(f"OPTIMIZE TABLE `{unique_name}`.`public__notes` FINAL")
-    target.apply_rows(NOTES, batch(NOTES, [row(1, "late", 1, 20)]))
-    client.command(f"OPTIMIZE TABLE `{unique_name}`.`public__notes` FINAL")
-    assert target.current_rows_as_text(NOTES) == []
-    assert target.max_version(NOTES) == 30
+    client = target._connect()  # noqa: SLF001 - merges are ClickHouse-specific
+    table = f"`{unique_name}`.`public__notes`"
+    client.command(f"SYSTEM STOP MERGES {table}")
+    for rows in ([row(1, "a", 1, 10), row(2, "b", 2, 10)], [tombstone(1, 30)], [row(1, "late", 1, 20)], [row(2, "b2", 3, 40)]):
+        target.apply_rows(NOTES, batch(NOTES, rows))
+    parts = client.command(f"SELECT count() FROM system.parts WHERE database = '{unique_name}' AND table = 'public__notes' AND active")
+    assert int(parts) == 4
+    assert target.current_rows_as_text(NOTES) == [("2", "b2", "3")]
+    client.command(f"SYSTEM START MERGES {table}")
+    client.command(f"OPTIMIZE TABLE {table} FINAL")
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "later", 1, 25)]))
+    client.command(f"OPTIMIZE TABLE {table} FINAL")
+    assert target.current_rows_as_text(NOTES) == [("2", "b2", "3")]
+    assert target.max_version(NOTES) == 40
     target.close()
