@@ -69,7 +69,7 @@ fi
 # Plain `dagster ...` from the repo root needs these; the activate script and
 # the Makefile both provide them.
 mkdir -p "$ROOT/.dagster_home"
-[ -f "$ROOT/.dagster_home/dagster.yaml" ] || cp "$ROOT/dagster.yaml" "$ROOT/.dagster_home/dagster.yaml"
+ln -sfn ../dagster.yaml "$ROOT/.dagster_home/dagster.yaml"
 if ! grep -q 'DAGSTER_MODULE_NAME' "$VENV/bin/activate"; then
   cat >> "$VENV/bin/activate" <<ACT
 # siphon

@@ -78,25 +78,34 @@ class StreamConsumer:
             await self.queue.ensure_stream()
             await self._rewind_if_interrupted()
             subscription = await self.queue.pull_subscription(self.durable, self.subject)
-            while not self._stopping.is_set() and (max_batches is None or summary.batches < max_batches):
-                pulled_at = time.perf_counter()
-                messages = await self._pull(subscription)
-                report = await self._process(messages, pulled_at) if messages else None
-                if report is not None:
-                    summary.add(report)
-                    _log.info("batch applied", table=self.table.name, target=self.target.name,
-                              sequences=f"{report.first_sequence}-{report.last_sequence}", events=report.events,
-                              rows=report.rows_applied, lsn=report.applied_lsn_text, pending=report.pending,
-                              seconds=round(report.latency_seconds, 3))
-                    if on_batch is not None:
-                        on_batch(report)
-                if stop_when_drained:
-                    pending = report.pending if report is not None else await self._pending()
-                    if pending <= 0:
-                        break
+            try:
+                await self._loop(subscription, summary, stop_when_drained, max_batches, on_batch)
+            finally:
+                # Unacknowledged messages of a failed batch wait for the next run, which replays them.
+                await subscription.unsubscribe()
         finally:
             await self.queue.close()
         return summary
+
+    async def _loop(self, subscription: JetStreamContext.PullSubscription, summary: RunSummary,
+                    stop_when_drained: bool, max_batches: int | None,
+                    on_batch: Callable[[BatchReport], None] | None) -> None:
+        while not self._stopping.is_set() and (max_batches is None or summary.batches < max_batches):
+            pulled_at = time.perf_counter()
+            messages = await self._pull(subscription)
+            report = await self._process(messages, pulled_at) if messages else None
+            if report is not None:
+                summary.add(report)
+                _log.info("batch applied", table=self.table.name, target=self.target.name,
+                          sequences=f"{report.first_sequence}-{report.last_sequence}", events=report.events,
+                          rows=report.rows_applied, lsn=report.applied_lsn_text, pending=report.pending,
+                          seconds=round(report.latency_seconds, 3))
+                if on_batch is not None:
+                    on_batch(report)
+            if stop_when_drained:
+                pending = report.pending if report is not None else await self._pending()
+                if pending <= 0:
+                    return
 
     async def _rewind_if_interrupted(self) -> None:
         """Replays from the ack floor when a previous run left messages unacknowledged."""
