@@ -92,7 +92,7 @@ def build_streaming_sensor(specs: list[TableSpec], group: str, jobs: dict[tuple[
         state = json.loads(context.cursor) if context.cursor else {}
         pending = _pending_counts(context, specs, jobs)
         requests = []
-        for (target, table), job in jobs.items():
+        for job in jobs.values():
             entry = state.setdefault(job.name, {})
             if pending.get(job.name) is not None:
                 entry["pending"] = pending[job.name]
