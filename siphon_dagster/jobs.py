@@ -38,39 +38,46 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
                     "PySpark, acking only what the target committed.",
     )
     def _stream(context: dg.OpExecutionContext, config: StreamRunConfig) -> None:
-        from siphon_dagster.streaming.consumer import BatchReport, StreamConsumer
+        from siphon_dagster.streaming.consumer import StreamConsumer
+        from siphon_dagster.streaming.report import BatchReport
+        from siphon_dagster.streaming.source_rows import SourceRowReader
 
         def record(report: BatchReport) -> None:
             context.log_event(dg.AssetMaterialization(
                 asset_key=asset_key,
-                description=f"applied stream sequence {report.first_sequence}..{report.last_sequence}",
+                description=f"applied stream sequences {report.first_sequence}..{report.last_sequence}",
                 metadata={
-                    "applied_lsn": naming.format_lsn(report.applied_lsn),
+                    "applied_lsn": report.applied_lsn_text,
                     "rows_by_operation": dg.MetadataValue.json(report.rows_by_operation),
-                    "dagster/row_count": sum(report.rows_by_operation.values()),
+                    "dagster/row_count": report.rows_applied,
+                    "events": report.events,
                     "batch_latency_seconds": round(report.latency_seconds, 3),
-                    "lag_seconds": round(report.lag_seconds, 3),
+                    "lag_seconds": round(report.lag_newest_seconds, 3),
+                    "lag_oldest_seconds": round(report.lag_oldest_seconds, 3),
                     "pending_messages": report.pending,
+                    "first_sequence": report.first_sequence,
+                    "last_sequence": report.last_sequence,
                 },
             ))
 
         destination = getattr(context.resources, resource_key).open_target()
         consumer = StreamConsumer(
-            table=spec.table,
-            application_identifier=spec.application_identifier,
-            target=destination,
             queue=context.resources.queue.queue(client_name=f"siphon {job_name}"),
-            spark=context.resources.spark,
-            source_dsn=context.resources.source.dsn,
-            log=context.log,
+            target=destination,
+            table=spec.table,
+            spark=context.resources.spark.session(),
+            streaming=spec.streaming,
+            source=SourceRowReader(context.resources.source.dsn),
         )
         started = time.monotonic()
         try:
-            batches = consumer.run(stop_when_drained=config.stop_when_drained, max_batches=config.max_batches,
+            summary = consumer.run(stop_when_drained=config.stop_when_drained, max_batches=config.max_batches,
                                    on_batch=record)
         finally:
             destination.close()
-        context.log.info(f"{batches} batches in {time.monotonic() - started:.1f}s")
+        context.log.info(f"{summary.batches} batches, {summary.events} events, {summary.rows_applied} rows applied "
+                         f"in {time.monotonic() - started:.1f}s; applied up to LSN "
+                         f"{naming.format_lsn(summary.applied_lsn)}")
 
     @dg.job(name=job_name, tags={STREAM_TAG: stream_tag_value(spec, target), **spec.tags},
             description=f"Streaming apply of {spec.qualified_name} into {target}; the streaming sensor keeps one "

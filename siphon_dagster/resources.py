@@ -86,3 +86,10 @@ class SparkResource(dg.ConfigurableResource):
     master: str = "local[2]"
     remote: str | None = None
     conf: dict[str, str] = {}
+
+    def session(self) -> Any:
+        """One Spark session per run process, reused across micro-batches."""
+        from siphon_core.config import SparkConfig
+        from siphon_dagster.streaming.spark_session import get_spark_session
+
+        return get_spark_session(SparkConfig(master=self.master, remote=self.remote, conf=self.conf))

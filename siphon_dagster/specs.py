@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import dagster as dg
 
 from siphon_core import naming
-from siphon_core.config import SiphonConfig, TableConfig
+from siphon_core.config import SiphonConfig, StreamingConfig, TableConfig
 from siphon_dagster.partitions import block_partitions, partitions_def_name
 
 
@@ -21,6 +21,7 @@ class TableSpec:
     application_identifier: str
     table: TableConfig
     targets: tuple[str, ...]
+    streaming: StreamingConfig = StreamingConfig()
 
     @property
     def schema(self) -> str:
@@ -73,7 +74,7 @@ def table_specs(config: SiphonConfig) -> list[TableSpec]:
     targets = tuple(config.targets.configured())
     if not targets:
         raise ValueError("targets: configure at least one target (clickhouse or snowflake) in siphon.yaml")
-    specs = [TableSpec(config.application_identifier, table, targets) for table in config.tables]
+    specs = [TableSpec(config.application_identifier, table, targets, config.streaming) for table in config.tables]
     job_names: dict[str, str] = {}
     for spec in specs:
         # Different tables can collapse to one job name (`a.b` and `a_b`); refuse clearly.
