@@ -3,9 +3,12 @@
     python bench/producer.py [--changes 500000]
 
 1. A notes-shaped table (30 columns, ~750-byte rows) gets N changes (inserts, updates, deletes) in
-   transactions of 1 to 100 rows while two slots wait at the same LSN: then pg_recvlogical
-   (pgoutput to /dev/null) and siphon-producer (decoded, packaged, published, acked) each read
-   the same WAL, one after the other.
+   transactions of 1 to 100 rows while three slots wait at the same LSN: then pg_recvlogical
+   (pgoutput to /dev/null), siphon-producer (decoded, packaged, published, acked) and
+   pg_recvlogical again each read the same WAL, one after the other. The reference is the faster
+   pg_recvlogical pass. The producer is timed from the moment it streams until the slot confirms
+   the end of the WAL; besides wall-clock rates, the CPU time per event of the producer and of
+   each walsender is read from /proc (on a shared machine, wall-clock rates move with the load).
 2. A single 1,000,000-row transaction passes through the producer: peak resident memory.
 3. A steady 10,000 changes/s: publish-to-ack p99 from the producer's own histogram.
 Ends with one JSON line.
@@ -14,6 +17,7 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -77,9 +81,64 @@ def current_lsn(dsn: str) -> int:
 
 def confirmed_lsn(dsn: str, slot: str) -> int:
     with psycopg.connect(dsn) as connection:
-        row = connection.execute("select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s",
-                                 (slot,)).fetchone()
-    return naming.parse_lsn(row[0]) if row and row[0] else 0
+        return SlotWatch(connection, slot).confirmed()
+
+
+class SlotWatch:
+    """Polls a slot's confirmed position over one connection (a new one per poll costs a fork)."""
+
+    def __init__(self, connection: psycopg.Connection, slot: str) -> None:
+        self._connection = connection
+        self._slot = slot
+
+    def confirmed(self) -> int:
+        row = self._connection.execute(
+            "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s", (self._slot,)).fetchone()
+        return naming.parse_lsn(row[0]) if row and row[0] else 0
+
+    def wait_until(self, lsn: int, timeout: float, what: str) -> float:
+        return wait_for(lambda: self.confirmed() >= lsn, timeout, interval=0.01, what=what)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class WalsenderCpu:
+    """CPU time of the walsender serving `application_name`, sampled until it exits."""
+
+    def __init__(self, dsn: str, application_name: str) -> None:
+        self.seconds = float("nan")
+        self._dsn = dsn
+        self._application_name = application_name
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        pid = None
+        with psycopg.connect(self._dsn, autocommit=True) as connection:
+            deadline = time.monotonic() + 120
+            while pid is None and time.monotonic() < deadline:
+                row = connection.execute("select pid from pg_stat_activity where backend_type = 'walsender' "
+                                         "and application_name like %s", (self._application_name,)).fetchone()
+                pid = row[0] if row else None
+                time.sleep(0.005)
+        while pid is not None:
+            seconds = cpu_seconds(pid)
+            if seconds != seconds:  # gone
+                return
+            self.seconds = seconds
+            time.sleep(0.02)
+
+    def result(self) -> float:
+        self._thread.join(120)
+        return self.seconds
 
 
 def recvlogical_binary(bindir: Path) -> str:
@@ -109,7 +168,7 @@ class Producer:
         process = start_process("siphon-producer", [sys.executable, "-m", "producer_service.cli", "run", "--config",
                                                     str(self.config)], self.log)
         self.pid = process.pid
-        wait_for(self.streaming, 60, what="producer streaming")
+        wait_for(self.streaming, 60, interval=0.01, what="producer streaming")
 
     def streaming(self) -> bool:
         try:
@@ -141,12 +200,24 @@ class Producer:
             previous_bound, previous_count = bound, count
         return float("nan")
 
+    def counter(self, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in self.metric_lines() if line.startswith(name))
+
     def stop(self) -> float:
         rss = peak_rss_mb(self.pid) if self.pid else float("nan")
         if self.pid:
             stop_pid(self.pid, timeout=60)
         self.pid = None
         return rss
+
+
+def recvlogical(binary: str, dsn: str, slot: str, publication: str, end_lsn: int) -> tuple[float, float]:
+    """Seconds to read the slot up to `end_lsn` with pg_recvlogical, and its walsender's CPU seconds."""
+    walsender = WalsenderCpu(dsn, "pg_recvlogical%")
+    started = time.monotonic()
+    subprocess.run([binary, "-d", dsn, "--slot", slot, "--start", "--no-loop", "-E", naming.format_lsn(end_lsn),
+                    "-o", "proto_version=1", "-o", f"publication_names={publication}", "-f", "/dev/null"], check=True)
+    return time.monotonic() - started, walsender.result()
 
 
 def main() -> int:
@@ -156,17 +227,19 @@ def main() -> int:
     parser.add_argument("--steady-rate", type=int, default=10_000)
     parser.add_argument("--steady-seconds", type=int, default=20)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
 
     with services(nats=True) as stack:
         dsn = stack.dsn
+        slot = naming.slot_name(APPLICATION)
         create_notes_table(dsn)
         with psycopg.connect(dsn, autocommit=True) as connection:
             connection.execute(NOTES_INSERT_SELECT.format(name="notes", first=1, last=100_000))
             publication = naming.publication_name(APPLICATION)
             connection.execute(f'create publication "{publication}" for table notes')
-            connection.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')",
-                               (naming.slot_name(APPLICATION),))
-            connection.execute("select pg_create_logical_replication_slot('bench_recvlogical', 'pgoutput')")
+            connection.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+            for reference in ("bench_recvlogical_1", "bench_recvlogical_2"):
+                connection.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (reference,))
         print(f"writing {args.changes:,} changes in transactions of 1 to 100 rows...", flush=True)
         started = time.monotonic()
         with psycopg.connect(dsn, autocommit=True) as connection:
@@ -174,22 +247,25 @@ def main() -> int:
             changes = connection.execute("select changes from bench_total").fetchone()[0]
         end_lsn = current_lsn(dsn)
         print(f"  {changes:,} changes written in {time.monotonic() - started:.1f}s", flush=True)
+        watch_connection = psycopg.connect(dsn, autocommit=True)
+        watch = SlotWatch(watch_connection, slot)
 
-        # pg_recvlogical: the physical reference, pgoutput to /dev/null.
+        # pg_recvlogical: the physical reference, pgoutput to /dev/null; before and after the producer.
         recv = recvlogical_binary(stack.postgres.bindir)
-        started = time.monotonic()
-        subprocess.run([recv, "-d", dsn, "--slot", "bench_recvlogical", "--start", "--no-loop",
-                        "-E", naming.format_lsn(end_lsn), "-o", "proto_version=1",
-                        "-o", f"publication_names={publication}", "-f", "/dev/null"], check=True)
-        recv_seconds = time.monotonic() - started
-        recv_rate = changes / recv_seconds
+        recv_seconds_1, recv_cpu_1 = recvlogical(recv, dsn, "bench_recvlogical_1", publication, end_lsn)
 
         producer = Producer(stack.directory, dsn, stack.nats.url)
+        walsender = WalsenderCpu(dsn, f"siphon-producer {APPLICATION}")
         producer.start()  # timed from the moment it streams, so start-up is not counted
-        producer_seconds = wait_for(lambda: confirmed_lsn(dsn, naming.slot_name(APPLICATION)) >= end_lsn, 600,
-                                    interval=0.05, what="producer caught up")
+        assert producer.pid is not None
+        cpu_before = cpu_seconds(producer.pid)
+        producer_seconds = watch.wait_until(end_lsn, 600, "producer caught up")
+        producer_cpu = cpu_seconds(producer.pid) - cpu_before
         producer_rate = changes / producer_seconds
         producer.stop()
+        producer_walsender_cpu = walsender.result()
+        recv_seconds_2, recv_cpu_2 = recvlogical(recv, dsn, "bench_recvlogical_2", publication, end_lsn)
+        recv_rate = changes / min(recv_seconds_1, recv_seconds_2)
 
         # One large transaction: memory must stay bounded.
         print(f"one transaction of {args.big_transaction_rows:,} rows...", flush=True)
@@ -199,8 +275,7 @@ def main() -> int:
                                                           last=first + args.big_transaction_rows - 1))
         big_end = current_lsn(dsn)
         producer.start()
-        big_seconds = wait_for(lambda: confirmed_lsn(dsn, naming.slot_name(APPLICATION)) >= big_end, 900,
-                               interval=0.2, what="large transaction acked")
+        big_seconds = watch.wait_until(big_end, 900, "large transaction acked")
         big_rss = producer.stop()
 
         # Steady load: publish-to-ack latency.
@@ -224,21 +299,31 @@ def main() -> int:
         writer.start()
         writer.join()
         steady_end = current_lsn(dsn)
-        wait_for(lambda: confirmed_lsn(dsn, naming.slot_name(APPLICATION)) >= steady_end, 120, what="steady acked")
+        watch.wait_until(steady_end, 120, "steady acked")
         p99 = producer.ack_p99_ms()
+        packages = producer.counter("siphon_producer_packages_total")
         producer.stop()
+        watch_connection.close()
 
+    per_event = 1e6 / changes
     print_table("siphon-producer vs pg_recvlogical on the same WAL", [
         ("changes", f"{changes:,}", ""),
-        ("pg_recvlogical events/s", f"{recv_rate:,.0f}", "reference"),
+        ("load average before the run", f"{load_before:.1f}", "2 cores"),
+        ("pg_recvlogical events/s (before, after)",
+         f"{changes / recv_seconds_1:,.0f}, {changes / recv_seconds_2:,.0f}", "reference: the faster"),
         ("siphon-producer events/s", f"{producer_rate:,.0f}", f">= {0.8 * recv_rate:,.0f} and >= 40,000"),
         ("ratio", f"{producer_rate / recv_rate:.2f}", ">= 0.80"),
+        ("producer CPU per event (us)", f"{producer_cpu * per_event:.2f}", ""),
+        ("walsender CPU per event (us): recvlogical, producer",
+         f"{recv_cpu_1 * per_event:.2f}, {producer_walsender_cpu * per_event:.2f}", ""),
         (f"peak RSS, {args.big_transaction_rows:,}-row txn (MB)", f"{big_rss:,.0f}", "<= 300"),
         ("large txn events/s", f"{args.big_transaction_rows / big_seconds:,.0f}", ""),
         (f"publish-to-ack p99 at {args.steady_rate:,}/s (ms)", f"{p99:,.1f}", "<= 500"),
+        (f"packages/s at {args.steady_rate:,}/s", f"{packages / args.steady_seconds:,.0f}", ""),
     ])
     print_json({"events_per_s": producer_rate, "pg_recvlogical_events_per_s": recv_rate,
-                "ratio": producer_rate / recv_rate, "max_rss_mb_1m_txn": big_rss, "ack_p99_ms": p99})
+                "ratio": producer_rate / recv_rate, "producer_cpu_us_per_event": producer_cpu * per_event,
+                "max_rss_mb_1m_txn": big_rss, "ack_p99_ms": p99, "load_average": load_before})
     return 0
 
 

@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                        stdout=subprocess.DEVNULL)
 
         port = free_port()
-        dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-h", "127.0.0.1", "-p", str(port),
-                                                "-w", str(ROOT / "workspace.yaml")],
-                                directory / "dagster.log", env=env, cwd=ROOT)
+        # DAGSTER_MODULE_NAME selects the code location; DAGSTER_HOME holds the instance.
+        dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-h", "127.0.0.1", "-p", str(port)],
+                                directory / "dagster.log", env=env, cwd=Path(env["DAGSTER_HOME"]))
         processes.append(("dagster", dagster.pid))
         wait_until("Dagster UI", lambda: port_accepts(port), 180.0, pid=dagster.pid,
                    log_path=directory / "dagster.log")

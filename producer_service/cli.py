@@ -9,6 +9,7 @@ import sys
 
 import psycopg
 
+from producer_service.metrics import EndpointError
 from producer_service.ownership import LockHeldError
 from producer_service.publication import SourceSetupError
 from producer_service.replication import ReplicationError
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return asyncio.run(run_until_stopped(config))
-    except (LockHeldError, SourceSetupError) as error:
+    except (LockHeldError, SourceSetupError, EndpointError) as error:
         print(f"siphon-producer: {error}", file=sys.stderr)
         return 3
 

@@ -1,18 +1,27 @@
-"""Per-table buffers of events, cut into packages by count, size and age.
+"""Per-table buffers of encoded events, cut into packages by count, size, age and idleness.
 
 Memory stays bounded whatever the transaction size: a buffer is cut as soon as it reaches its
-count or byte limit, so a large transaction simply spans several packages. An event that alone
-exceeds the queue's message limit is serialized and sliced (see `Chunk` in the proto).
+count or byte limit, so a large transaction simply spans several packages. A buffer is also cut
+when it is older than the age limit, and, for low latency, as soon as the source has nothing more
+to send right now and the table has no package waiting for its ack (`flush_idle`): under load,
+events gather while the previous package is acknowledged, so packages stay large.
+
+An event that alone exceeds the queue's message limit is serialized and sliced (see `Chunk` in
+the proto). Events travel as bytes (`producer_service.encoding`), so cutting a package is one
+join: envelope, column list, events.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
+from producer_service.encoding import frame, unframe
 from producer_service.relations import RelationInfo
 from siphon_core.wire import siphon_pb2 as pb
+from siphon_core.wire.packages import message_id
 
 # Room for the package envelope (column list, identifiers) around the events.
 _ENVELOPE_BYTES = 16_384
@@ -26,22 +35,46 @@ class PackageLimits:
     max_age_seconds: float
     max_message_bytes: int  # the queue's hard limit for one message
 
+    @property
+    def effective_max_bytes(self) -> int:
+        """A package never outgrows the queue's message limit, whatever max_bytes says."""
+        return min(self.max_bytes, self.max_message_bytes - _ENVELOPE_BYTES)
+
 
 @dataclass
 class OutgoingPackage:
-    package: pb.Package
+    """A cut package: its serialized (uncompressed) bytes and what publishing it needs."""
+
+    payload: bytes
+    relation_id: int
+    table: str  # schema.table
+    message_id: str
     first_ordinal: int  # earliest transaction with events in it (for progress tracking)
     event_count: int
     raw_bytes: int
+    first_commit_lsn: int
+
+    @property
+    def package(self) -> pb.Package:
+        """The package as a message (parsed from the payload; for tests and diagnostics)."""
+        package = pb.Package()
+        package.ParseFromString(self.payload)
+        return package
 
 
-@dataclass
-class _TableBuffer:
-    relation: RelationInfo
-    events: list[pb.Event] = field(default_factory=list)
-    bytes: int = 0
-    first_ordinal: int = -1
-    opened_at: float = 0.0
+class TableBuffer:
+    """The events of one table (under one column list) waiting to be cut into a package."""
+
+    __slots__ = ("relation", "events", "bytes", "first_ordinal", "first_lsn", "first_position", "last_lsn",
+                 "last_position", "opened_at")
+
+    def __init__(self, relation: RelationInfo) -> None:
+        self.relation = relation
+        self.events: list[bytes] = []
+        self.bytes = 0
+        self.first_ordinal = -1
+        self.first_lsn = self.first_position = self.last_lsn = self.last_position = 0
+        self.opened_at = 0.0
 
 
 class Packager:
@@ -58,56 +91,86 @@ class Packager:
     ) -> None:
         self._application_identifier = application_identifier
         self._limits = limits
+        self.max_events = limits.max_events
+        self.max_bytes = limits.effective_max_bytes
+        # A single event above this is sliced across messages.
+        self.slice_above = limits.max_message_bytes - _ENVELOPE_BYTES
         self._emit = emit
         # Called with a transaction ordinal whenever a buffer or a slice starts holding its events;
         # the package that leaves carries the ordinal so its ack can release it.
         self._hold = hold
         self._producer_version = producer_version
         self._clock = clock
-        self._buffers: dict[int, _TableBuffer] = {}
+        self._buffers: dict[int, TableBuffer] = {}
         self._sequence: dict[int, int] = {}
 
-    def add(self, relation: RelationInfo, event: pb.Event, size_hint: int, ordinal: int) -> None:
-        """Adds one event of transaction `ordinal`; `size_hint` is its tuples' byte length."""
+    def buffer_for(self, relation: RelationInfo) -> TableBuffer:
+        """The buffer of `relation`; events under an older column list of the table go out first."""
         buffer = self._buffers.get(relation.relation_id)
         if buffer is not None and buffer.relation is not relation:
-            # The table's columns changed: events under the old column list go out first.
-            self._cut(buffer)
+            self.cut(buffer)
             buffer = None
         if buffer is None:
-            buffer = self._buffers[relation.relation_id] = _TableBuffer(relation)
-        size = size_hint + _EVENT_OVERHEAD_BYTES
-        if size + _ENVELOPE_BYTES > self._limits.max_message_bytes:
-            self._cut(buffer)
-            self._emit_sliced(relation, event, ordinal)
+            buffer = self._buffers[relation.relation_id] = TableBuffer(relation)
+        return buffer
+
+    def add(self, relation: RelationInfo, event: pb.Event, size_hint: int, ordinal: int) -> None:
+        """Adds one event given as a message (the slow path; the service adds encoded events)."""
+        body = event.SerializeToString()
+        self.add_encoded(self.buffer_for(relation), frame(len(body)) + body, event.commit_lsn, event.position,
+                         ordinal, size_hint + _EVENT_OVERHEAD_BYTES)
+
+    def add_encoded(self, buffer: TableBuffer, framed: bytes, commit_lsn: int, position: int, ordinal: int,
+                    size: int | None = None) -> None:
+        """Adds one framed event (see `producer_service.encoding`) of transaction `ordinal`."""
+        if size is None:
+            size = len(framed)
+        if len(framed) > self.slice_above:
+            self.cut(buffer)
+            self._emit_sliced(buffer.relation, unframe(framed), commit_lsn, position, ordinal)
             return
-        if buffer.events and buffer.bytes + size > self._limits.max_bytes:
-            self._cut(buffer)
-        if not buffer.events:
-            buffer.first_ordinal = ordinal
-            buffer.opened_at = self._clock()
-            self._hold(ordinal)
-        buffer.events.append(event)
+        events = buffer.events
+        if events and buffer.bytes + size > self.max_bytes:
+            self.cut(buffer)
+            events = buffer.events
+        if not events:
+            self.open(buffer, commit_lsn, position, ordinal)
+        events.append(framed)
         buffer.bytes += size
-        if len(buffer.events) >= self._limits.max_events or buffer.bytes >= self._limits.max_bytes:
-            self._cut(buffer)
+        buffer.last_lsn = commit_lsn
+        buffer.last_position = position
+        if len(events) >= self.max_events or buffer.bytes >= self.max_bytes:
+            self.cut(buffer)
+
+    def open(self, buffer: TableBuffer, commit_lsn: int, position: int, ordinal: int) -> None:
+        buffer.first_ordinal = ordinal
+        buffer.first_lsn = commit_lsn
+        buffer.first_position = position
+        buffer.opened_at = self._clock()
+        self._hold(ordinal)
 
     def flush_due(self) -> None:
         """Cuts every buffer older than the age limit."""
         deadline = self._clock() - self._limits.max_age_seconds
         for buffer in self._buffers.values():
             if buffer.events and buffer.opened_at <= deadline:
-                self._cut(buffer)
+                self.cut(buffer)
+
+    def flush_idle(self, table_is_idle: Callable[[int], bool]) -> None:
+        """The source has nothing more right now: cuts the buffers of tables with nothing in flight."""
+        for relation_id, buffer in self._buffers.items():
+            if buffer.events and table_is_idle(relation_id):
+                self.cut(buffer)
 
     def flush_all(self) -> None:
         for buffer in self._buffers.values():
             if buffer.events:
-                self._cut(buffer)
+                self.cut(buffer)
 
     def forget(self, relation_id: int) -> None:
         buffer = self._buffers.pop(relation_id, None)
         if buffer is not None and buffer.events:
-            self._cut(buffer)
+            self.cut(buffer)
 
     @property
     def buffered_events(self) -> int:
@@ -120,10 +183,10 @@ class Packager:
     def buffered_events_by_table(self) -> dict[str, int]:
         return {b.relation.qualified_name: len(b.events) for b in self._buffers.values()}
 
-    def _envelope(self, relation: RelationInfo) -> pb.Package:
+    def _envelope(self, relation: RelationInfo, **fields: Any) -> pb.Package:
         sequence = self._sequence.get(relation.relation_id, 0)
         self._sequence[relation.relation_id] = sequence + 1
-        package = pb.Package(
+        return pb.Package(
             application_identifier=self._application_identifier,
             schema=relation.schema,
             table=relation.table,
@@ -131,33 +194,37 @@ class Packager:
             value_encoding=pb.PGOUTPUT_TUPLE,
             producer_version=self._producer_version,
             sequence=sequence,
+            **fields,
         )
-        package.columns.extend(relation.columns)
-        return package
 
-    def _cut(self, buffer: _TableBuffer) -> None:
-        if not buffer.events:
+    def cut(self, buffer: TableBuffer) -> None:
+        events = buffer.events
+        if not events:
             return
-        package = self._envelope(buffer.relation)
-        package.events.extend(buffer.events)
-        first, last = buffer.events[0], buffer.events[-1]
-        package.first_commit_lsn, package.first_position = first.commit_lsn, first.position
-        package.last_commit_lsn, package.last_position = last.commit_lsn, last.position
-        outgoing = OutgoingPackage(package, buffer.first_ordinal, len(buffer.events), buffer.bytes)
+        relation = buffer.relation
+        envelope = self._envelope(relation, first_commit_lsn=buffer.first_lsn, first_position=buffer.first_position,
+                                  last_commit_lsn=buffer.last_lsn, last_position=buffer.last_position)
+        count = len(events)
+        # Protobuf fields may come in any order: the envelope, then the columns, then the events.
+        events[:0] = (envelope.SerializeToString(), relation.columns_wire)
+        outgoing = OutgoingPackage(b"".join(events), relation.relation_id, relation.qualified_name,
+                                   message_id(envelope), buffer.first_ordinal, count, buffer.bytes,
+                                   buffer.first_lsn)
         buffer.events = []
         buffer.bytes = 0
         buffer.first_ordinal = -1
         self._emit(outgoing)
 
-    def _emit_sliced(self, relation: RelationInfo, event: pb.Event, ordinal: int) -> None:
-        data = event.SerializeToString()
-        step = max(1024, self._limits.max_message_bytes - _ENVELOPE_BYTES)
+    def _emit_sliced(self, relation: RelationInfo, data: bytes, commit_lsn: int, position: int, ordinal: int) -> None:
+        step = max(1024, self.slice_above)
         count = (len(data) + step - 1) // step
         for index in range(count):
             self._hold(ordinal)
-            package = self._envelope(relation)
-            package.first_commit_lsn = package.last_commit_lsn = event.commit_lsn
-            package.first_position = package.last_position = event.position
-            package.chunk.index, package.chunk.count = index, count
-            package.event_chunk = data[index * step:(index + 1) * step]
-            self._emit(OutgoingPackage(package, ordinal, 1 if index == count - 1 else 0, len(package.event_chunk)))
+            package = self._envelope(relation, first_commit_lsn=commit_lsn, last_commit_lsn=commit_lsn,
+                                     first_position=position, last_position=position,
+                                     chunk=pb.Chunk(index=index, count=count),
+                                     event_chunk=data[index * step:(index + 1) * step])
+            package.columns.extend(relation.columns)
+            self._emit(OutgoingPackage(package.SerializeToString(), relation.relation_id, relation.qualified_name,
+                                       message_id(package), ordinal, 1 if index == count - 1 else 0,
+                                       len(package.event_chunk), commit_lsn))

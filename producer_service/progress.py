@@ -54,6 +54,11 @@ class ProgressTracker:
             self.confirmed_lsn = wal_end
 
     @property
+    def has_pending(self) -> bool:
+        """Some buffer or package still holds events not acknowledged."""
+        return bool(self._pending)
+
+    @property
     def in_flight(self) -> int:
         return sum(self._pending.values())
 

@@ -9,6 +9,7 @@ so nothing downstream ever sees them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import psycopg
@@ -34,9 +35,14 @@ class RelationInfo:
     keep_indexes: tuple[int, ...] | None
     replica_identity: str
 
-    @property
+    @cached_property
     def qualified_name(self) -> str:
         return f"{self.schema}.{self.table}"
+
+    @cached_property
+    def columns_wire(self) -> bytes:
+        """The column list as `Package.columns` entries, serialized once per column list."""
+        return pb.Package(columns=self.columns).SerializeToString()
 
 
 class RelationCatalog:

@@ -4,6 +4,9 @@ psycopg has no replication API, so this speaks the protocol through its libpq bi
 (`psycopg.pq.PGconn`): replication commands go through the simple query protocol (the only one a
 walsender accepts for them), the stream through COPY BOTH.
 
+Values arrive in UTF-8, converted by the server from the database's encoding; in a SQL_ASCII
+database, which has no encoding to convert from, as the stored bytes.
+
 The walsender renders pgoutput's text values with its own session settings, which a database or
 role default could change (`ALTER DATABASE ... SET DateStyle`). The connection pins them through
 the startup `options`, which outrank such defaults, so the text that reaches the targets never
@@ -39,6 +42,7 @@ _XLOG_HEADER = struct.Struct(">QQq")
 _KEEPALIVE_BODY = struct.Struct(">QqB")
 _STATUS_UPDATE = struct.Struct(">cQQQqB")
 _XLOG_PAYLOAD_START = 1 + _XLOG_HEADER.size
+XLOG_PAYLOAD_START = _XLOG_PAYLOAD_START  # where the pgoutput message starts in a raw XLogData
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 
@@ -102,6 +106,10 @@ class ReplicationConnection:
             self._pgconn.finish()
             raise ReplicationError(f"cannot open a replication connection to {self._where}: {message}")
         self._selector: selectors.BaseSelector | None = None
+        if self._pgconn.parameter_status(b"server_encoding") == b"SQL_ASCII":
+            # Text in a SQL_ASCII database is bytes in no known encoding: PostgreSQL cannot convert it
+            # and would reject what is not valid in the client encoding. Take the bytes as they are.
+            self._command(b"SET client_encoding = 'SQL_ASCII'")
 
     @staticmethod
     def _connect(params: dict[str, object]) -> pq.PGconn:
@@ -209,7 +217,7 @@ class ReplicationConnection:
                 while len(messages) < max_messages:
                     nbytes, data = pgconn.get_copy_data(1)
                     if nbytes > 0:
-                        messages.append(_parse_copy_data(data))
+                        messages.append(parse_copy_data(data))
                     elif nbytes == 0:
                         break
                     else:
@@ -223,6 +231,33 @@ class ReplicationConnection:
                 pgconn.consume_input()
         except OperationalError as error:
             raise ReplicationError(f"replication stream from {self._where} failed: {error}") from None
+
+    def read_copy_data(self, max_messages: int = 1000) -> list[memoryview]:
+        """Every message libpq holds or the socket already has (up to `max_messages`), undecoded and
+        without waiting: b'w' + XLogData header + pgoutput message (from `XLOG_PAYLOAD_START`), or a
+        b'k' keepalive (`parse_copy_data` decodes either). The hot path of the producer."""
+        if self._selector is None:
+            raise ReplicationError("read before start(): the connection is not streaming")
+        pgconn = self._pgconn
+        get = pgconn.get_copy_data
+        messages: list[memoryview] = []
+        append = messages.append
+        consumed_at = -1  # len(messages) when the socket was last read
+        try:
+            while len(messages) < max_messages:
+                nbytes, data = get(1)
+                if nbytes > 0:
+                    append(data)
+                elif nbytes == 0:
+                    if consumed_at == len(messages):
+                        break  # the socket had nothing more
+                    consumed_at = len(messages)
+                    pgconn.consume_input()
+                else:
+                    raise self._end_of_stream()
+        except OperationalError as error:
+            raise ReplicationError(f"replication stream from {self._where} failed: {error}") from None
+        return messages
 
     def fileno(self) -> int:
         """The socket, for an event loop to wait on before a `read_batch(0)`."""
@@ -284,7 +319,7 @@ class ReplicationConnection:
         return pq.Escaping(self._pgconn).escape_identifier(name.encode())
 
 
-def _parse_copy_data(data: memoryview) -> XLogData | Keepalive:
+def parse_copy_data(data: memoryview) -> XLogData | Keepalive:
     kind = data[0]
     if kind == _XLOG_DATA:
         data_start, wal_end, server_time = _XLOG_HEADER.unpack_from(data, 1)

@@ -17,13 +17,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_dagster.streaming.batch import (
-    ReceivedPackage,
-    SchemaChangeError,
-    check_keys,
-    column_fingerprint,
-    table_schema,
-)
+from siphon_dagster.streaming.batch import ReceivedPackage
 from siphon_dagster.streaming.decode import (
     INPUT_SCHEMA,
     DecodeSpec,
@@ -32,14 +26,11 @@ from siphon_dagster.streaming.decode import (
     value_column,
 )
 from siphon_dagster.streaming.fold import fold, with_version
+from siphon_dagster.streaming.schema import SchemaTracker
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.spark_session import shuffle_partitions
 from siphon_dagster.streaming.toast import ToastStats, fill_unchanged
 from siphon_dagster.targets.base import TableSchema, Target, change_batch_schema
-
-
-class IncompatibleSchemaError(SchemaChangeError):
-    """A column's type changed in a way the target cannot follow: the table's stream stops."""
 
 
 @dataclass
@@ -63,26 +54,23 @@ def decoded_frame(spark: SparkSession, packages: Sequence[ReceivedPackage], spec
 
 
 class BatchApplier:
-    """Applies batches of one table to one target; remembers the column list it last applied."""
+    """Applies batches of one table to one target."""
 
     def __init__(self, spark: SparkSession, target: Target, schema: str, table: str,
                  source: SourceRowReader | None = None) -> None:
         self.spark = spark
         self.target = target
-        self.schema = schema
-        self.table = table
         self.source = source
-        self._applied_columns: tuple[object, ...] | None = None
-        self._applied_key: tuple[str, ...] | None = None
+        self.schemas = SchemaTracker(target, schema, table, source)
 
     @property
     def qualified_name(self) -> str:
-        return f"{self.schema}.{self.table}"
+        return self.schemas.qualified_name
 
     def apply(self, packages: Sequence[ReceivedPackage]) -> AppliedBatch:
         seconds: dict[str, float] = {}
         started = time.perf_counter()
-        table = self._ensure_schema(packages)
+        table = self.schemas.resolve(packages)
         seconds["schema"] = _lap(started)
 
         spec = DecodeSpec(table.column_names, tuple(c.name for c in table.key_columns))
@@ -95,7 +83,7 @@ class BatchApplier:
 
         started = time.perf_counter()
         folded, toast = fill_unchanged(folded, table, self.target, self.source,
-                                       lambda keys: _history(decoded, keys))
+                                       lambda keys, positions: _history(self.spark, decoded, keys, positions))
         rows = change_rows(folded, table)
         seconds["toast"] = _lap(started)
 
@@ -106,29 +94,6 @@ class BatchApplier:
             self.target.apply_rows(table, rows)
         seconds["apply"] = _lap(started)
         return AppliedBatch(table, rows.num_rows, truncated_at, toast, seconds)
-
-    def _ensure_schema(self, packages: Sequence[ReceivedPackage]) -> TableSchema:
-        """The batch's newest column list, created or added at the target when it is new."""
-        key = check_keys(self.qualified_name, packages)
-        if self._applied_key is not None and key != self._applied_key:
-            raise SchemaChangeError(
-                f"table {self.qualified_name}: the primary key changed from {list(self._applied_key)} to "
-                f"{list(key)} at stream sequence {packages[0].sequence}; rebuild the table's targets with its "
-                "resync job")
-        columns = packages[-1].columns
-        categories = self.source.type_categories([c.type_oid for c in columns]) if self.source else None
-        table = table_schema(self.schema, self.table, columns, categories)
-        fingerprint = column_fingerprint(columns)
-        if fingerprint != self._applied_columns:
-            change = self.target.ensure_table(table)
-            if change.incompatible:
-                described = ", ".join(f"{name} ({table.column(name).type_name})" for name in change.incompatible)
-                raise IncompatibleSchemaError(
-                    f"table {self.qualified_name}: the type of column(s) {described} changed at the source in a "
-                    f"way target {self.target.name} cannot follow (stream sequence {packages[-1].sequence}); "
-                    "the table's stream stops here: rebuild the table's targets with its resync job")
-            self._applied_columns, self._applied_key = fingerprint, key
-        return table
 
 
 def change_rows(folded: pa.Table, table: TableSchema) -> pa.Table:
@@ -151,9 +116,13 @@ def _as_text(folded: pa.Table, table: TableSchema) -> pa.Table:
     return folded
 
 
-def _history(decoded: DataFrame, keys: list[bytes]) -> pa.Table:
-    """Every decoded row of these keys (re-decodes the batch: only for key updates with TOAST)."""
-    return with_version(decoded).where(F.col("_key").isin(keys)).drop("_lsn", "_pos").toArrow()
+def _history(spark: SparkSession, decoded: DataFrame, keys: list[bytes], positions: list[int]) -> pa.Table:
+    """The decoded rows of these keys, with the value columns at `positions`; decodes the batch
+    again, which only unchanged TOASTed values in folded rows cost."""
+    wanted = spark.createDataFrame(pa.table({"_key": pa.array(keys, pa.binary())}))
+    rows = decoded.join(F.broadcast(wanted), "_key", "left_semi")
+    columns = ["_key", "_version", "_op", "_reset", "_origin", "_unchanged", *map(value_column, positions)]
+    return with_version(rows).select(*columns).toArrow()
 
 
 def _lap(started: float) -> float:

@@ -9,20 +9,14 @@ schema step need.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import ChunkReassembler, decode_package, encode_package
-from siphon_dagster.targets.base import SourceColumn, TableSchema
 
 OPERATION_NAMES = {pb.INSERT: "insert", pb.UPDATE: "update", pb.DELETE: "delete", pb.TRUNCATE: "truncate",
                    pb.SNAPSHOT: "snapshot"}
-
-
-class SchemaChangeError(RuntimeError):
-    """The source table changed in a way this table's stream cannot follow; the message says how."""
 
 
 @dataclass(frozen=True)
@@ -56,12 +50,19 @@ def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes) ->
         oldest = time_us if not oldest else min(oldest, time_us)
         newest = max(newest, time_us)
     return ReceivedPackage(
-        sequences=sequences, payload=payload, columns=tuple(package.columns),
+        sequences=sequences, payload=payload, columns=tuple(_detached(c) for c in package.columns),
         first_commit_lsn=package.first_commit_lsn or (package.events[0].commit_lsn if package.events else 0),
         last_commit_lsn=package.last_commit_lsn or (package.events[-1].commit_lsn if package.events else 0),
         oldest_commit_time_us=oldest, newest_commit_time_us=newest, operations=operations,
         truncated_at=truncated_at,
     )
+
+
+def _detached(column: pb.Column) -> pb.Column:
+    """A copy that does not keep the parsed package (and its events) alive for the whole batch."""
+    copy = pb.Column()
+    copy.CopyFrom(column)
+    return copy
 
 
 @dataclass
@@ -101,37 +102,3 @@ class PackageAssembler:
         """Messages of superseded partial events: acked with the next batch, never applied."""
         abandoned, self._abandoned = self._abandoned, []
         return abandoned
-
-
-def column_fingerprint(columns: Sequence[pb.Column]) -> tuple[tuple[str, int, int, bool], ...]:
-    return tuple((c.name, c.type_oid, c.type_modifier, c.primary_key) for c in columns)
-
-
-def table_schema(schema: str, table: str, columns: Sequence[pb.Column],
-                 type_categories: dict[int, tuple[str, int]] | None = None) -> TableSchema:
-    """The table as a package describes it; `type_categories` (oid -> typcategory, typelem) from the
-    source catalog makes it identical to what the snapshot path reads."""
-    categories = type_categories or {}
-    return TableSchema(schema, table, tuple(
-        SourceColumn(name=c.name, type_oid=c.type_oid, type_name=c.type_name, type_modifier=c.type_modifier,
-                     nullable=c.nullable, primary_key=c.primary_key,
-                     category=categories.get(c.type_oid, ("", 0))[0],
-                     element_type_oid=categories.get(c.type_oid, ("", 0))[1])
-        for c in columns
-    ))
-
-
-def check_keys(qualified_name: str, packages: Sequence[ReceivedPackage]) -> tuple[str, ...]:
-    """The primary key shared by every package of the batch; a change of key cannot be streamed."""
-    newest = tuple(c.name for c in packages[-1].columns if c.primary_key)
-    if not newest:
-        raise SchemaChangeError(f"table {qualified_name}: packages name no primary key columns; Siphon needs a "
-                                "primary key or REPLICA IDENTITY FULL on the source table")
-    for package in packages:
-        keys = tuple(c.name for c in package.columns if c.primary_key)
-        if keys != newest:
-            raise SchemaChangeError(
-                f"table {qualified_name}: the primary key changed from {list(keys)} (stream sequence "
-                f"{package.sequence}) to {list(newest)} (stream sequence {packages[-1].sequence}); rebuild the "
-                "table's targets with its resync job")
-    return newest

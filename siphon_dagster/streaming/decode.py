@@ -11,7 +11,7 @@ Spark, whose names are case-insensitive):
     _reset      the row starts a new lineage of values for its key: earlier rows of the key cannot
                 supply an unchanged TOASTed value (INSERT, SNAPSHOT, DELETE, the new key of a
                 primary-key update)
-    _origin     the new key of a primary-key update: the old key, whose stored row supplies the
+    _origin     on the new key's row of a primary-key update, the old key: its row supplies the
                 unchanged TOASTed values
     _unchanged  positions of columns without a value: unchanged TOASTed values not sent, and columns
                 absent from the package's own (older) column list
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import decode_package
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST, Value, decode_tuple, encode_tuple
@@ -123,12 +124,18 @@ class PackageDecoder:
         where = f"stream sequence {seq}"
         package = decode_package(payload, where)
         if package.HasField("chunk"):
-            raise ValueError(f"{where}: a chunk of a sliced event reached the decoder unassembled")
+            raise ValueError(f"{where}: a slice of a large event reached the decoder unassembled")
+        if package.value_encoding != pb.PGOUTPUT_TUPLE:
+            raise ValueError(f"{where}: value encoding {package.value_encoding} is not supported by this consumer")
         align = self._alignment(package, where)
         key_positions = [self.spec.columns.index(name) for name in self.spec.key_columns]
         rows = _Rows()
         for event in package.events:
-            self._event(rows, event, align, key_positions, where)
+            try:
+                self._event(rows, event, align, key_positions)
+            except ValueError as error:  # TupleDataError included
+                raise ValueError(f"{where}, table {package.schema}.{package.table}, event at LSN "
+                                 f"{naming.format_lsn(event.commit_lsn)} position {event.position}: {error}") from None
         return rows.batch(self.schema, len(self.spec.columns))
 
     def _alignment(self, package: pb.Package, where: str) -> list[int] | None:
@@ -142,24 +149,28 @@ class PackageDecoder:
             raise ValueError(f"{where}: primary key column(s) {missing_keys} are missing from the package")
         return [index.get(name, _MISSING) for name in self.spec.columns]
 
-    def _event(self, rows: _Rows, event: pb.Event, align: list[int] | None, key_positions: list[int],
-               where: str) -> None:
+    def _event(self, rows: _Rows, event: pb.Event, align: list[int] | None, key_positions: list[int]) -> None:
         op = event.operation
         if op == pb.TRUNCATE:
             rows.add(None, op, event, True, None, [None] * len(self.spec.columns))
             return
         new = _values(event.new_row.tuple, align) if op != pb.DELETE else None
         old = _values(event.old_row.tuple, align) if event.HasField("old_row") else None
+        if old is not None and event.old_row_is_key and any(old[i] is None for i in key_positions):
+            # The replica identity is an index other than the primary key: the old key does not
+            # say which row changed, and guessing would tombstone the wrong one.
+            raise ValueError("the old key lacks primary key values; set REPLICA IDENTITY DEFAULT (the primary "
+                             "key) or FULL on the source table")
         if op in _INSERTS:
-            rows.add(_key(new, key_positions), op, event, True, None, new)
+            rows.add(_key(new, key_positions), op, event, True, None, new)  # type: ignore[arg-type]
         elif op == pb.DELETE:
             if old is None:
-                raise ValueError(f"{where}: DELETE at LSN {event.commit_lsn:X}.{event.position} has no old key")
+                raise ValueError("a DELETE without its old key")
             rows.add(_key(old, key_positions), op, event, True, None, old)
         elif op == pb.UPDATE:
-            self._update(rows, event, new, old, key_positions)
+            self._update(rows, event, new, old, key_positions)  # type: ignore[arg-type]
         else:
-            raise ValueError(f"{where}: unknown operation {op} at LSN {event.commit_lsn:X}.{event.position}")
+            raise ValueError(f"unknown operation {op}")
 
     @staticmethod
     def _update(rows: _Rows, event: pb.Event, new: list[Value], old: list[Value] | None,
@@ -186,7 +197,14 @@ def _values(data: bytes, align: list[int] | None) -> list[Value]:
     return [UNCHANGED_TOAST if i == _MISSING else values[i] for i in align]
 
 
+_ONE_VALUE_TUPLE = b"\x00\x01t"  # TupleData head of one text value
+
+
 def _key(values: list[Value], key_positions: list[int]) -> bytes:
+    if len(key_positions) == 1:
+        value = values[key_positions[0]]
+        if type(value) is bytes:  # the usual single-column key: encode_tuple's output, built directly
+            return _ONE_VALUE_TUPLE + len(value).to_bytes(4, "big") + value
     key = [values[i] for i in key_positions]
     if UNCHANGED_TOAST in key:
         raise ValueError("a primary key value is an unchanged TOASTed value and no old key was sent")

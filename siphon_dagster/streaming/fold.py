@@ -5,64 +5,46 @@ changes of a key in the same batch would be overwritten anyway. A DELETE wins ov
 a later INSERT wins over the DELETE because its version is greater. Changes at or before the
 batch's last TRUNCATE are dropped (the truncate tombstones their keys anyway).
 
-Unchanged TOASTed values are carried forward inside the batch in the same aggregate: for column i
-the value is the one of the latest row of the key that either knows it or starts a new lineage
-(`_reset`). If that row knows it, the value is exact; otherwise it comes from before the batch
-(`_unresolved`), from the stored row of the key or, when the lineage starts at a primary-key
-update, from the old key (`_origin`, at `_reset_version`).
+The latest row keeps its `_unchanged` positions: unchanged TOASTed values are filled afterwards
+from the batch's history of the key, the target or the source (siphon_dagster.streaming.toast).
 """
 
 from __future__ import annotations
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType
 
+from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_dagster.streaming.decode import value_column
 
 VERSION_TYPE = DecimalType(38, 0)
+_CARRIED = ("_op", "_reset", "_origin", "_unchanged")
 
 
-def with_version(decoded: DataFrame) -> DataFrame:
-    """Adds `_version` as DECIMAL(38, 0), exact for any LSN and position."""
-    # naming.row_version: (commit LSN << 32) | position.
+def with_version(rows: DataFrame) -> DataFrame:
+    """Adds `_version` = naming.row_version(_lsn, _pos) as DECIMAL(38, 0), exact for any LSN."""
     version = F.col("_lsn").cast(VERSION_TYPE) * F.lit(1 << 32).cast(VERSION_TYPE) + F.col("_pos")
-    return decoded.withColumn("_version", version.cast(VERSION_TYPE))
+    return rows.withColumn("_version", version.cast(VERSION_TYPE))
 
 
 def fold(decoded: DataFrame, column_count: int, truncated_at: int | None) -> DataFrame:
-    """One row per key: `_key, _op, _version, _reset_version, _origin, _unresolved, c0..cN`.
+    """One row per key, its latest change: `_key, _version, _op, _reset, _origin, _unchanged, c0..cN`.
 
     `truncated_at` is the version of the batch's last TRUNCATE, if any.
     """
-    rows = with_version(decoded).where(F.col("_op") != pb.TRUNCATE)
+    rows = decoded.where(F.col("_op") != pb.TRUNCATE)
     if truncated_at is not None:
-        rows = rows.where(F.col("_version") > F.lit(truncated_at).cast(VERSION_TYPE))
-    version, reset = F.col("_version"), F.col("_reset")
-    reset_version = F.when(reset, version)
-    aggregates = [
-        F.max_by("_op", version).alias("_op"),
-        F.max(version).alias("_version"),
-        F.max(reset_version).alias("_reset_version"),
-        F.max_by("_origin", reset_version).alias("_origin"),
-    ]
-    for i in range(column_count):
-        known = _known(i)
-        candidate = F.struct(known.alias("known"), F.col(value_column(i)).alias("value"))
-        aggregates.append(F.max_by(candidate, F.when(known | reset, version)).alias(value_column(i)))
-    folded = rows.groupBy("_key").agg(*aggregates)
-    unresolved = F.array(*[
-        F.when(F.coalesce(F.col(value_column(i))["known"], F.lit(False)), F.lit(None)).otherwise(F.lit(i))
-        for i in range(column_count)
-    ])
-    return folded.select(
-        "_key", "_op", "_version", "_reset_version", "_origin",
-        F.filter(unresolved, lambda position: position.isNotNull()).alias("_unresolved"),
-        *[F.col(value_column(i))["value"].alias(value_column(i)) for i in range(column_count)],
-    )
+        rows = rows.where(_after(truncated_at))
+    values = [value_column(i) for i in range(column_count)]
+    # A window sort on (LSN, position), two longs, beats an aggregate over the whole row; the
+    # 38-digit decimal version is computed for the survivors only.
+    newest_first = Window.partitionBy("_key").orderBy(F.col("_lsn").desc(), F.col("_pos").desc())
+    latest = rows.withColumn("_rank", F.row_number().over(newest_first)).where(F.col("_rank") == 1)
+    return with_version(latest).select("_key", "_version", *_CARRIED, *values)
 
 
-def _known(position: int) -> Column:
-    unchanged = F.col("_unchanged")
-    return unchanged.isNull() | ~F.array_contains(unchanged, F.lit(position))
+def _after(version: int) -> Column:
+    lsn, position = naming.split_version(version)
+    return (F.col("_lsn") > lsn) | ((F.col("_lsn") == lsn) & (F.col("_pos") > position))

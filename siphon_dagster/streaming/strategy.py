@@ -15,13 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
+from pyspark.errors import PythonException
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from siphon_core import naming
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue
 from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier
-from siphon_dagster.streaming.batch import ReceivedPackage, SchemaChangeError
+from siphon_dagster.streaming.batch import ReceivedPackage
+from siphon_dagster.streaming.schema import SchemaChangeError
 from siphon_dagster.streaming.toast import ToastStats
 
 _log = get_logger("streaming.strategy")
@@ -160,4 +162,8 @@ def _combine(batches: list[AppliedBatch]) -> AppliedBatch | None:
 
 
 def _one_line(error: BaseException | None) -> str:
-    return " ".join(str(error).split())
+    text = str(error)
+    if isinstance(error, PythonException):
+        # An executor's traceback: its last line is the error itself.
+        text = text.strip().splitlines()[-1]
+    return " ".join(text.split())

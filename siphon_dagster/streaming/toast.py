@@ -1,12 +1,13 @@
-"""Unchanged TOASTed values the fold could not fill from inside the batch, filled on the driver.
+"""Unchanged TOASTed values of folded rows, filled on the driver.
 
 PostgreSQL does not send a TOASTed value that an UPDATE left unchanged; the target must keep the
 stored value, never NULL (DESIGN.md, section 3). For each such value of a folded row, in order:
-1. the batch's own history of the old key, when the row's lineage starts at a primary-key update
-   (followed back through chains of key updates);
-2. the target's current row (under the old key for a primary-key update);
+1. the batch's earlier changes of the key, or of the old key when the row comes from a
+   primary-key update (followed back through chains of key updates);
+2. the target's current row of that key, when the batch does not reach back far enough;
 3. the source, re-read by the row's own primary key: what it holds now is at least as new.
-Rows needing this are rare (updates that leave a large value alone), so per-row Python is fine.
+The batch history is read back from Spark only for the keys concerned, and only when a folded
+row has such values, so batches without them pay nothing.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.targets.base import TableSchema, Target
 
 _log = get_logger("streaming.toast")
-# Decoded rows (with `_version`) of the given keys: the batch history a lineage is followed through.
-HistoryReader = Callable[[list[bytes]], pa.Table]
+# Decoded rows (with `_version`) of the given keys, with the value columns at the given positions:
+# the batch history a lineage is followed through.
+HistoryReader = Callable[[list[bytes], list[int]], pa.Table]
 _MAX_KEY_UPDATE_CHAIN = 64
 
 
@@ -66,24 +68,27 @@ def fill_unchanged(folded: pa.Table, table: TableSchema, target: Target, source:
                    history: HistoryReader) -> tuple[pa.Table, ToastStats]:
     """`folded` as `fold.fold` returns it, values already cast to strings; returns it filled."""
     ops = folded.column("_op").to_pylist()
-    unresolved = folded.column("_unresolved").to_pylist()
-    rows = [r for r, (op, positions) in enumerate(zip(ops, unresolved, strict=True)) if positions and op != pb.DELETE]
+    unchanged = folded.column("_unchanged").to_pylist()
+    rows = [r for r, (op, positions) in enumerate(zip(ops, unchanged, strict=True)) if positions and op != pb.DELETE]
     if not rows:
         return folded, ToastStats()
     keys = folded.column("_key").to_pylist()
+    versions = folded.column("_version").to_pylist()
+    resets = folded.column("_reset").to_pylist()
     origins = folded.column("_origin").to_pylist()
-    reset_versions = folded.column("_reset_version").to_pylist()
     fills = _Fills()
-    stored: list[_Request] = []
     lineage: list[_Request] = []
+    fresh: list[_Request] = []
     for r in rows:
-        if origins[r] is None:
-            stored.append(_Request(r, set(unresolved[r]), keys[r]))
+        if not resets[r]:
+            lineage.append(_Request(r, set(unchanged[r]), keys[r], versions[r]))  # earlier changes of the key
+        elif origins[r] is not None:
+            lineage.append(_Request(r, set(unchanged[r]), origins[r], versions[r]))  # the old key's row
         else:
-            lineage.append(_Request(r, set(unresolved[r]), origins[r], reset_versions[r]))
-    stored += _follow_lineage(lineage, history, fills)
-    fresh = _from_target(stored, table, target, fills)
-    _from_source(fresh, [keys[r] for r in range(folded.num_rows)], table, source, fills)
+            fresh.append(_Request(r, set(unchanged[r]), None))  # an insert under an older column list
+    stored = _follow_lineage(lineage, history, fills)
+    fresh += _from_target(stored, table, target, fills)
+    _from_source(fresh, keys, table, source, fills)
     return _patch(folded, fills.values), fills.stats
 
 
@@ -93,7 +98,8 @@ def _follow_lineage(requests: list[_Request], history: HistoryReader, fills: _Fi
     for _ in range(_MAX_KEY_UPDATE_CHAIN):
         if not requests:
             return open_requests
-        by_key = _history_by_key(history(sorted({r.key for r in requests if r.key is not None})))
+        keys = sorted({r.key for r in requests if r.key is not None})
+        by_key = _history_by_key(history(keys, sorted(set().union(*(r.positions for r in requests)))))
         following: list[_Request] = []
         for request in requests:
             rest = _walk(request, by_key.get(request.key, []), fills)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -32,6 +33,13 @@ from siphon_dagster.targets.base import (
 from siphon_dagster.targets.type_mapping import clickhouse_type
 
 KEYS_PER_LOOKUP = 5000
+
+
+@dataclass(frozen=True)
+class _SnapshotStages:
+    text: str  # where the COPY text is inserted (a Null table)
+    counts: str  # rows that reached it, per block
+    typed: list[tuple[str, str]]  # (target, its stage with the target's structure)
 
 
 class ClickHouseTarget:
@@ -206,9 +214,37 @@ class ClickHouseTarget:
                 self._command(names, "applying a batch", sql.insert_from_stage(target, stage, table))
         return rows.num_rows
 
+    @contextmanager
+    def _snapshot_stages(self, names: sql.TableNames, targets: list[str], version: int) -> Iterator[_SnapshotStages]:
+        """A text stage whose materialized views convert into one typed stage per target and count
+        the rows; everything is dropped on the way out."""
+        base = f"_siphon_stage_{uuid.uuid4().hex}"
+        stages = _SnapshotStages(names.qualified(base), names.qualified(f"{base}_rows"),
+                                 [(target, names.qualified(f"{base}_{i}")) for i, target in enumerate(targets)])
+        views = [names.qualified(f"{base}_count")] + [names.qualified(f"{base}_convert_{i}") for i in range(len(targets))]
+        tables = [stages.text, stages.counts] + [typed for _, typed in stages.typed]
+        try:
+            self._command(names, "creating a staging table", sql.create_text_stage(stages.text, names.table))
+            self._command(names, "creating a staging table", sql.create_counted_rows(stages.counts))
+            self._command(names, "creating a staging view", sql.count_text_rows(views[0], stages.text, stages.counts))
+            for (target, typed), view in zip(stages.typed, views[1:], strict=True):
+                self._command(names, "creating a staging table", sql.create_typed_stage(typed, target))
+                self._command(names, "creating a staging view",
+                              sql.convert_text_stage(view, stages.text, base, typed, names.table, "siphon_version"),
+                              {"siphon_version": version})
+            yield stages
+        finally:
+            for view in views:
+                self._command(names, "dropping a staging view", f"DROP VIEW IF EXISTS {view}")
+            for table in tables:
+                self._command(names, "dropping a staging table", f"DROP TABLE IF EXISTS {table}")
+
     def apply_copy_text(
         self, table: TableSchema, chunks: Iterable[bytes], version: int, *, shadow: bool = False
     ) -> int:
+        """The text streams into a Null table whose materialized views convert it, once, into a
+        stage per target with the target's own structure; when every row is there the stages'
+        parts are attached to the targets. Nothing of a partial load is ever applied."""
         names = self._names(table)
         sent = {"rows": 0, "unterminated": False}
 
@@ -222,25 +258,21 @@ class ClickHouseTarget:
 
         targets = [names.shadow] if shadow else self._write_targets(names)
         columns = [sql.stage_column(i) for i in range(len(table.columns))]
-        with self._stage(names) as stage:
+        with self._snapshot_stages(names, targets, version) as stages:
             try:
                 # PostgreSQL's COPY text escapes (\b \f \n \r \t \v \\ and \N for NULL) are the
                 # escapes ClickHouse's TabSeparated reads, so the bytes need no rewriting.
-                self._connect().raw_insert(stage, columns, insert_block=counted(), fmt="TabSeparated")
+                self._connect().raw_insert(stages.text, columns, insert_block=counted(), fmt="TabSeparated")
             except ClickHouseError as error:
                 raise TargetError(names.describe(f"loading COPY text failed: {error}")) from error
             expected = sent["rows"] + (1 if sent["unterminated"] else 0)
-            staged = self._staged_count(names, stage)
+            staged = int(self._rows(names, "counting staged rows",
+                                    f"SELECT sum({sql.quote(sql.COUNTED_ROWS)}) FROM {stages.counts}")[0][0])
             if staged != expected:
                 # A transport retry could resend only the rest of a stream: never apply a partial load.
                 raise TargetError(names.describe(f"staged {staged} rows of {expected} sent; the snapshot must be retried"))
-            for target in targets:
-                self._command(
-                    names,
-                    "applying a snapshot",
-                    sql.insert_from_stage(target, stage, table, version_parameter="siphon_version"),
-                    {"siphon_version": version},
-                )
+            for target, typed in stages.typed:
+                self._command(names, "applying a snapshot", sql.attach_stage(target, typed))
         return expected
 
     def tombstone_all(self, table: TableSchema, version: int) -> int:

@@ -30,6 +30,7 @@ NOW = "now64(6, 'UTC')"
 # Staging columns: positional names, so awkward source names never reach the staging table.
 STAGE_VERSION = "_v"
 STAGE_DELETED = "_d"
+COUNTED_ROWS = "rows"
 
 
 def quote(identifier: str) -> str:
@@ -152,6 +153,51 @@ def create_stage(stage: str, table: TableSchema) -> str:
     columns += [f"{quote(STAGE_VERSION)} String", f"{quote(STAGE_DELETED)} UInt8"]
     # MergeTree keeps a large snapshot on disk rather than in the server's memory.
     return f"CREATE TABLE {stage} ({', '.join(columns)}) ENGINE = MergeTree ORDER BY tuple()"
+
+
+def create_text_stage(stage: str, table: TableSchema) -> str:
+    """Where a snapshot's COPY text is inserted: a Null table keeps nothing, its materialized views
+    convert each block as it is parsed, so the text is read once and never stored."""
+    columns = [f"{quote(stage_column(i))} Nullable(String)" for i in range(len(table.columns))]
+    return f"CREATE TABLE {stage} ({', '.join(columns)}) ENGINE = Null"
+
+
+def create_typed_stage(stage: str, target: str) -> str:
+    """A table with exactly the target's structure and engine, so that its parts can be attached
+    to the target as they are: the snapshot's rows are converted and written once."""
+    return f"CREATE TABLE {stage} AS {target}"
+
+
+def create_counted_rows(counts: str) -> str:
+    return f"CREATE TABLE {counts} ({quote(COUNTED_ROWS)} UInt64) ENGINE = MergeTree ORDER BY tuple()"
+
+
+def count_text_rows(view: str, text_stage: str, counts: str) -> str:
+    """Counts the rows that reached the text stage, block by block (a typed stage's merges may
+    collapse identical rows of a keyless table, so its own count would not tell)."""
+    return f"CREATE MATERIALIZED VIEW {view} TO {counts} AS SELECT count() AS {quote(COUNTED_ROWS)} FROM {text_stage}"
+
+
+def convert_text_stage(view: str, text_stage: str, text_alias: str, typed_stage: str, table: TableSchema,
+                       version_parameter: str) -> str:
+    """The snapshot conversion of `insert_from_stage`, as a materialized view from the text stage
+    into a typed stage: every row gets the version bound when the view is created.
+
+    The stage's columns are qualified by `text_alias` (a name no source column has) because the
+    view's aliases are the source's column names, which may be positional names themselves.
+    """
+    values = [f"{_converted(c, f'{quote(text_alias)}.{quote(stage_column(i))}')} AS {quote(c.name)}"
+              for i, c in enumerate(table.columns)]
+    values += [f"{{{version_parameter}:UInt128}} AS {quote(VERSION_COLUMN)}", f"0 AS {quote(DELETED_COLUMN)}",
+               f"{NOW} AS {quote(SYNCED_AT_COLUMN)}"]
+    return (f"CREATE MATERIALIZED VIEW {view} TO {typed_stage} AS SELECT {', '.join(values)} "
+            f"FROM {text_stage} AS {quote(text_alias)}")
+
+
+def attach_stage(target: str, typed_stage: str) -> str:
+    """Moves nothing and rewrites nothing: the stage's parts become the target's in one step
+    (hard links), so a snapshot lands whole or not at all. Siphon's tables are unpartitioned."""
+    return f"ALTER TABLE {target} ATTACH PARTITION tuple() FROM {typed_stage}"
 
 
 def _converted(column: SourceColumn, operand: str) -> str:

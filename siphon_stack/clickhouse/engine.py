@@ -22,6 +22,25 @@ from siphon_stack.clickhouse.protocol import ClickHouseError, RequestOptions, id
 
 Result = Any  # chdb's query_result: get_memview(), rows_read(), bytes_read(), rows_written(), elapsed()
 
+# The most data one chdb streaming insert is given (see Connection.insert), and the formats whose
+# rows each end at a line break (a line break inside a value is escaped), where an insert can be cut.
+SEGMENT_BYTES = 64 << 20
+_LINE_FORMATS = frozenset({"TabSeparated", "TSV", "TabSeparatedRaw", "TSVRaw", "LineAsString"})
+
+
+@dataclass
+class InsertSummary:
+    """What the inserts of one request wrote, summed over its segments."""
+
+    rows_written: int = 0
+    bytes_written: int = 0
+    elapsed: float = 0.0
+
+    def add(self, result: Any) -> None:
+        self.rows_written += result.rows_written
+        self.bytes_written += result.bytes_written
+        self.elapsed += result.elapsed
+
 
 class Connection:
     """A chdb connection with the request-scoped behaviour of ClickHouse's HTTP sessions: the
@@ -103,21 +122,48 @@ class Connection:
         finally:
             blocks.cancel()
 
-    def insert(self, statement: str, input_format: str, data: Iterable[bytes]) -> Any:
-        """Streams the data into `statement` as it arrives; returns chdb's InsertResult."""
-        try:
-            inserter = self.raw.send_insert(statement, input_format)
-        except Exception as error:
-            raise ClickHouseError.from_engine(error) from None
+    def insert(self, statement: str, input_format: str, data: Iterable[bytes]) -> InsertSummary:
+        """Streams the data into `statement` as it arrives.
+
+        chdb holds every byte of a streaming insert, and about as much again, until the insert
+        finishes, where a ClickHouse server holds a block at a time. So data in a format whose rows
+        end at line breaks is cut, at a line break, into inserts of about `SEGMENT_BYTES` each:
+        memory stays bounded whatever the body's size. As with a ClickHouse server, whose large
+        inserts are written block by block, the rows of segments already finished stay written
+        when a later one fails.
+        """
+        summary = InsertSummary()
+        inserter = self._start_insert(statement, input_format)
+        cut_at_lines = input_format in _LINE_FORMATS
+        size = 0
         try:
             for piece in data:
-                inserter.append(piece)
-            return inserter.finish()
+                if cut_at_lines and size + len(piece) >= SEGMENT_BYTES and (cut := piece.rfind(b"\n") + 1):
+                    inserter.append(piece[:cut])
+                    summary.add(inserter.finish())
+                    inserter = None
+                    piece, size = piece[cut:], 0
+                if piece:
+                    if inserter is None:
+                        inserter = self._start_insert(statement, input_format)
+                    inserter.append(piece)
+                    size += len(piece)
+            if inserter is not None:
+                summary.add(inserter.finish())
+            return summary
         except (ClickHouseError, ConnectionError):
-            inserter.cancel()
+            if inserter is not None:
+                inserter.cancel()
             raise
         except Exception as error:
-            inserter.cancel()
+            if inserter is not None:
+                inserter.cancel()
+            raise ClickHouseError.from_engine(error) from None
+
+    def _start_insert(self, statement: str, input_format: str) -> Any:
+        try:
+            return self.raw.send_insert(statement, input_format)
+        except Exception as error:
             raise ClickHouseError.from_engine(error) from None
 
     def close(self) -> None:

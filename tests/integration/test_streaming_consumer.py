@@ -5,7 +5,11 @@ applied by `StreamConsumer` through local Spark to the embedded ClickHouse serve
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import nats
 import psycopg
@@ -20,9 +24,9 @@ from siphon_core.queue import JetStreamQueue, StreamSettings
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package, message_id
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST as U
-from siphon_dagster.streaming.batch import table_schema
 from siphon_dagster.streaming.consumer import StreamApplyError, StreamConsumer
 from siphon_dagster.streaming.report import BatchReport
+from siphon_dagster.streaming.schema import table_schema
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.spark_session import get_spark_session
 from siphon_dagster.targets import build_target
@@ -127,6 +131,26 @@ class CrashAfterCommit:
         return written
 
 
+class ExitAfterCommit(CrashAfterCommit):
+    """The process dies on the spot after the target committed: no unsubscribe, no close, no ack."""
+
+    def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
+        written = self.inner.apply_rows(table, rows)
+        self.calls += 1
+        if self.calls == self.crash_on_call:
+            os._exit(17)
+        return written
+
+
+def run_until_exit(nats_url: str, clickhouse_url: str, application: str) -> None:
+    """Body of the child process of the process-exit test."""
+    config = parse_config({"application_identifier": application, "source": {"dsn": "postgresql://x@127.0.0.1/x"},
+                           "tables": [{"name": "public.notes"}],
+                           "targets": {"clickhouse": {"url": clickhouse_url, "database": application}}})
+    target = ExitAfterCommit(build_target("clickhouse", config), crash_on_call=2)
+    consumer(nats_url, application, target, get_spark_session()).run(stop_when_drained=True)  # type: ignore[arg-type]
+
+
 STORY = [
     package([insert(0x100, "1", "a", "1"), insert(0x100, "2", "b", "2", position=2), insert(0x100, "3", "c", "3", position=3)]),
     package([update(0x101, "1", "a" * 3000, "10"), delete(0x102, "2", None, None)]),
@@ -167,6 +191,22 @@ def test_a_crash_after_commit_before_ack_replays_and_converges(request: pytest.F
     summary = consumer(nats_url, unique_name, target, spark).run(stop_when_drained=True)
     assert summary.events == 6  # the second batch again, then the new package
     assert target.current_rows_as_text(notes_schema()) == [*STORY_ROWS[:2], ("4", None, "40")]
+    target.close()
+
+
+def test_a_process_exit_mid_run_replays_and_converges(request: pytest.FixtureRequest, nats_url: str,
+                                                       clickhouse_url: str, spark: SparkSession,
+                                                       unique_name: str) -> None:
+    target = make_target(request, "clickhouse", unique_name)
+    publish(nats_url, unique_name, STORY)
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.integration.test_streaming_consumer import run_until_exit; "
+                               "run_until_exit(*sys.argv[1:])", nats_url, clickhouse_url, unique_name],
+        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 17, child.stderr[-3000:]
+    summary = consumer(nats_url, unique_name, target, spark).run(stop_when_drained=True)
+    assert summary.events == 5  # the batch applied but never acknowledged, applied again
+    assert target.current_rows_as_text(notes_schema()) == STORY_ROWS
     target.close()
 
 

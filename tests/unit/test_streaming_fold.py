@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
+from pyspark.errors import PythonException
 from pyspark.sql import SparkSession
 
 from siphon_core import naming
@@ -14,7 +15,7 @@ from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST as U
 from siphon_core.wire.tuple_data import encode_tuple
-from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier, IncompatibleSchemaError
+from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier
 from siphon_dagster.streaming.batch import PackageAssembler
 from siphon_dagster.streaming.spark_session import get_spark_session
 from siphon_dagster.streaming.toast import UnchangedValueError
@@ -26,6 +27,7 @@ from tests.unit.test_streaming_packages import (
     delete,
     insert,
     package,
+    sliced,
     truncate,
     update,
 )
@@ -101,7 +103,7 @@ def test_unchanged_toast_is_carried_from_an_earlier_change_in_the_batch(spark: S
         update(0x10, "1", BIG, "1"), update(0x11, "1", U, "2"), update(0x12, "1", U, "3"),
     ]))
     assert rows(target) == {"1": ("1", BIG, "3")}
-    assert applied.toast.total == 0  # resolved inside the fold
+    assert (applied.toast.from_batch, applied.toast.from_target) == (1, 0)  # the stale stored row is not used
 
 
 def test_unchanged_toast_comes_from_the_target_row_and_never_becomes_null(spark: SparkSession) -> None:
@@ -165,6 +167,8 @@ def test_truncate_drops_earlier_changes_and_keeps_later_ones(spark: SparkSession
     assert target.truncations == [naming.row_version(0x21, 1)]
     assert applied.rows == 1  # key 2 never reaches the target
     assert rows(target) == {"3": ("3", "c2", "3")}
+    alone = apply(spark, target, package([truncate(0x30)]))
+    assert (alone.rows, target.truncations[-1], rows(target)) == (0, naming.row_version(0x30, 1), {})
 
 
 def test_columns_added_and_dropped_within_a_batch(spark: SparkSession) -> None:
@@ -180,16 +184,21 @@ def test_columns_added_and_dropped_within_a_batch(spark: SparkSession) -> None:
     assert rows(target) == {"1": ("1", "a2", "x"), "2": ("2", "b", "set later")}
 
 
-def test_a_new_column_list_is_ensured_at_the_target_once(spark: SparkSession) -> None:
+def test_a_corrupt_row_names_its_stream_sequence_and_lsn(spark: SparkSession) -> None:
+    broken = package([insert(0x10, "1", "a", "1")])
+    broken.events[0].new_row.tuple = broken.events[0].new_row.tuple[:-3]
+    with pytest.raises(PythonException) as raised:  # raised on an executor
+        apply(spark, MemoryTarget(), broken)
+    assert "stream sequence 1, table public.notes, event at LSN 0/10 position 1: truncated TupleData" in str(raised.value)
+
+
+def test_a_sliced_event_is_applied_once_reassembled(spark: SparkSession) -> None:
     target = MemoryTarget()
-    applier = BatchApplier(spark, target, "public", "notes")  # type: ignore[arg-type]
-    apply(spark, target, package([insert(0x10, "1", "a", "1")]), applier=applier)
-    apply(spark, target, package([insert(0x11, "2", "b", "2")]), applier=applier)
-    apply(spark, target, package([insert(0x12, "3", "c", "3", "t")], columns=(*NOTES, column("tag"))), applier=applier)
-    assert [len(s.columns) for s in target.schemas] == [3, 4]
+    apply(spark, target, *sliced(package([insert(0x10, "1", BIG, "1")]), 1000), package([update(0x11, "1", U, "2")]))
+    assert rows(target) == {"1": ("1", BIG, "2")}
 
 
-def test_a_type_change_the_target_cannot_follow_stops_naming_table_and_column(spark: SparkSession) -> None:
-    target = MemoryTarget(incompatible=["score"])
-    with pytest.raises(IncompatibleSchemaError, match=r"public\.notes: the type of column\(s\) score \(integer\)"):
-        apply(spark, target, package([insert(0x10, "1", "a", "1")]))
+def test_an_old_key_without_primary_key_values_is_refused(spark: SparkSession) -> None:
+    # REPLICA IDENTITY USING INDEX on other columns: the old key carries those, not the primary key.
+    with pytest.raises(PythonException, match="event at LSN 0/10 position 1: the old key lacks primary key values"):
+        apply(spark, MemoryTarget(), package([delete(0x10, None, "a", None)]))

@@ -7,13 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-import pytest
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST, encode_tuple
-from siphon_dagster.streaming.batch import PackageAssembler, SchemaChangeError, check_keys
+from siphon_dagster.streaming.batch import PackageAssembler
 from siphon_dagster.targets.base import (
     DELETED_COLUMN,
     VERSION_COLUMN,
@@ -179,17 +178,6 @@ def test_a_resent_sliced_event_supersedes_the_partial_one() -> None:
     assert results[-1] is not None and results[-1].sequences == tuple(range(10, 10 + len(slices)))
     assert assembler.take_abandoned() == [1, 2]
     assert assembler.take_abandoned() == []
-
-
-def test_a_change_of_primary_key_inside_a_batch_is_refused() -> None:
-    assembler = PackageAssembler()
-    first = assembler.accept(1, encode_package(package([insert(1, "1", "a", "1")])))
-    rekeyed = (column("id", 20, "bigint"), column("body", key=True), column("score", 23, "integer"))
-    second = assembler.accept(2, encode_package(package([insert(2, "1", "a", "1")], columns=rekeyed)))
-    assert first is not None and second is not None
-    assert check_keys("public.notes", [first]) == ("id",)
-    with pytest.raises(SchemaChangeError, match=r"public\.notes: the primary key changed from \[.id.\] \(stream sequence 1\) to \[.body.\]"):
-        check_keys("public.notes", [first, second])
 
 
 def test_unchanged_marker_survives_the_package_round_trip() -> None:

@@ -1,0 +1,323 @@
+"""Snapshot throughput and memory: every block range of a notes table into the embedded ClickHouse,
+beside COPY of the same table to /dev/null.
+
+    python bench/snapshot.py [--rows 2000000] [--blocks-per-partition 8192]
+
+1. A notes-shaped table (30 columns) of N rows, vacuumed, frozen and read once so that every
+   reader finds it in memory.
+2. Reference: `COPY (SELECT * FROM notes) TO STDOUT` drained to nothing, by psql's `\\copy ... to
+   '/dev/null'` and by psycopg; the faster of the two is the reference.
+3. Every block-range partition of the table snapshotted into the embedded ClickHouse through the
+   calls the partition asset makes (source.table_schema, ensure_table, reader.exported_snapshot +
+   read_range, ClickHouseTarget.apply_copy_text), each worker a process of its own like a Dagster
+   run: one worker taking the partitions one after another, then two at a time (the local
+   `siphon_snapshot` pool limit). Dagster's own per-run overhead (launching the run, the event log)
+   is not counted.
+4. One partition covering the whole table: the peak RSS of its process must not grow with the range.
+After each load the `_current` view must hold exactly the source's rows. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from common import NOTES_INSERT_SELECT, create_notes_table, peak_rss_mb, print_json, print_table, services
+
+from siphon_core import naming
+from siphon_core.config import ClickHouseTargetConfig, TableConfig
+from siphon_dagster import source
+from siphon_dagster.partitions import BlockRange, parse_key, ranges_for
+from siphon_dagster.resources import ClickHouseResource
+from siphon_dagster.snapshot.reader import SnapshotProgress, exported_snapshot, read_range
+from siphon_dagster.targets.clickhouse import ClickHouseTarget
+
+TABLE = TableConfig(name="public.notes")
+POOL_LIMIT = 2  # dagster.yaml: concurrency.pools.default_limit, which the `siphon_snapshot` pool gets
+LOAD_BATCH_ROWS = 250_000
+
+
+@dataclass(frozen=True)
+class Destination:
+    dsn: str
+    clickhouse_url: str
+    database: str
+    blocks_per_partition: int
+
+
+@dataclass
+class Run:
+    rows: int
+    seconds: float
+    worker_peak_rss_mb: float
+    partitions: int
+    cpu_seconds: dict[str, float]  # by process: postgres, partition processes, siphon-clickhouse
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds
+
+
+# -- the table and the reference -------------------------------------------------------------------
+
+
+def load_notes(dsn: str, rows: int) -> int:
+    """Creates and fills the table; returns its size in blocks."""
+    create_notes_table(dsn)
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        for first in range(1, rows + 1, LOAD_BATCH_ROWS):
+            last = min(rows, first + LOAD_BATCH_ROWS - 1)
+            connection.execute(NOTES_INSERT_SELECT.format(name="notes", first=first, last=last))
+        # Frozen and hinted, so no reader pays for setting hint bits the first reader would set.
+        connection.execute("vacuum (freeze, analyze) notes")
+        connection.execute("checkpoint")
+        return connection.execute("select pg_relation_size('notes') / current_setting('block_size')::int").fetchone()[0]
+
+
+def source_count(dsn: str) -> int:
+    with psycopg.connect(dsn) as connection:
+        return connection.execute("select count(*) from notes").fetchone()[0]
+
+
+def copy_with_psql(psql: str, dsn: str) -> float:
+    started = time.monotonic()
+    subprocess.run([psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-c",
+                    "\\copy (select * from notes) to '/dev/null'"], check=True)
+    return time.monotonic() - started
+
+
+def copy_with_psycopg(dsn: str) -> tuple[float, int]:
+    started = time.monotonic()
+    size = 0
+    with psycopg.connect(dsn) as connection, connection.cursor().copy("COPY (SELECT * FROM notes) TO STDOUT") as copy:
+        while data := copy.read():
+            size += len(data)
+    return time.monotonic() - started, size
+
+
+def psql_binary(bindir: Path) -> str | None:
+    for candidate in (bindir / "psql", shutil.which("psql")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    return None
+
+
+# -- the snapshot, as a partition run does it ------------------------------------------------------
+
+
+def snapshot_partition(destination: Destination, key: str) -> int:
+    """The body of the partition asset (siphon_dagster.assets.build_target_asset), minus Dagster."""
+    block_range = parse_key(key, destination.blocks_per_partition)
+    with source.connect(destination.dsn, autocommit=True) as connection:
+        table = source.table_schema(connection, TABLE)
+    target = ClickHouseResource(url=destination.clickhouse_url, database=destination.database).open_target()
+    progress = SnapshotProgress()
+    try:
+        target.ensure_table(table)
+        with exported_snapshot(destination.dsn) as slot:
+            chunks = read_range(destination.dsn, slot.snapshot_name, table, block_range, progress)
+            target.apply_copy_text(table, chunks, naming.row_version(slot.consistent_point, 0))
+    finally:
+        target.close()
+    return progress.rows
+
+
+def _worker(destination: Destination, keys: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
+    # A run process has the code location loaded: count its imports in the worker's memory too.
+    import siphon_dagster.assets  # noqa: F401
+
+    try:
+        results.put(("ready", None, None))
+        cpu = cpu_seconds_self()
+        while (key := keys.get()) is not None:
+            results.put(("partition", key, snapshot_partition(destination, key)))
+        results.put(("done", None, (peak_rss_mb_self(), cpu_seconds_self() - cpu)))
+    except BaseException as error:
+        results.put(("failed", None, f"{type(error).__name__}: {error}"))
+        raise
+
+
+def cpu_seconds_self() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """CPU time of a process; with `children`, also of its exited children (PostgreSQL's backends)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(value) for value in fields[11:15 if children else 13])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mb_self() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def snapshot_all(destination: Destination, block_ranges: list[BlockRange], workers: int, postgres_pid: int,
+                 clickhouse_pid: int) -> Run:
+    context = multiprocessing.get_context("spawn")
+    keys, results = context.Queue(), context.Queue()
+    processes = [context.Process(target=_worker, args=(destination, keys, results), name=f"snapshot-{i}")
+                 for i in range(workers)]
+    for process in processes:
+        process.start()
+    # Start-up (interpreter and imports) belongs to a run, not to the snapshot: the clock starts
+    # once every worker is ready.
+    rows, peaks, worker_cpu, ready = 0, [], 0.0, 0
+    started = time.monotonic()
+    server_cpu = postgres_cpu = 0.0
+    while len(peaks) < workers:
+        kind, _key, value = results.get(timeout=900)
+        if kind == "failed":
+            raise SystemExit(f"a snapshot worker failed: {value}")
+        if kind == "ready":
+            ready += 1
+            if ready == workers:
+                server_cpu, postgres_cpu = cpu_seconds(clickhouse_pid), cpu_seconds(postgres_pid, children=True)
+                started = time.monotonic()
+                for block_range in block_ranges:
+                    keys.put(block_range.key)
+                for _ in processes:
+                    keys.put(None)
+        elif kind == "partition":
+            rows += value
+        else:
+            peaks.append(value[0])
+            worker_cpu += value[1]
+    seconds = time.monotonic() - started
+    cpu = {"postgres": cpu_seconds(postgres_pid, children=True) - postgres_cpu, "partition processes": worker_cpu,
+           "siphon-clickhouse": cpu_seconds(clickhouse_pid) - server_cpu}
+    for process in processes:
+        process.join()
+    return Run(rows, seconds, max(peaks), len(block_ranges), cpu)
+
+
+def check_target(destination: Destination, expected: int) -> int:
+    target = ClickHouseTarget(ClickHouseTargetConfig(url=destination.clickhouse_url, database=destination.database))
+    try:
+        with source.connect(destination.dsn) as connection:
+            table = source.table_schema(connection, TABLE)
+        counted = target.count_current(table)
+    finally:
+        target.close()
+    if counted != expected:
+        raise SystemExit(f"{destination.database}: the _current view holds {counted:,} rows, the source {expected:,}")
+    return counted
+
+
+def prepare(destination: Destination) -> None:
+    """Creates the table once, as the first partition run would, so parallel workers do not race."""
+    with source.connect(destination.dsn) as connection:
+        table = source.table_schema(connection, TABLE)
+    target = ClickHouseTarget(ClickHouseTargetConfig(url=destination.clickhouse_url, database=destination.database))
+    try:
+        target.ensure_table(table)
+    finally:
+        target.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--blocks-per-partition", type=int, default=TABLE.blocks_per_partition)
+    parser.add_argument("--skip-whole-table", action="store_true", help="skip the one-partition memory check")
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+
+    with services(nats=False, clickhouse=True) as stack:
+        dsn, clickhouse_pid = stack.dsn, stack.clickhouse_pid or 0
+        print(f"loading {args.rows:,} notes rows...", flush=True)
+        started = time.monotonic()
+        blocks = load_notes(dsn, args.rows)
+        rows = source_count(dsn)
+        print(f"  {rows:,} rows, {blocks:,} blocks in {time.monotonic() - started:.1f}s", flush=True)
+
+        print("COPY to /dev/null (psql, psycopg)...", flush=True)
+        copy_with_psycopg(dsn)  # warm-up: every later reader finds the table in memory
+        psycopg_seconds, copy_bytes = min(copy_with_psycopg(dsn) for _ in range(2))
+        psql = psql_binary(stack.postgres.bindir)
+        postgres_cpu = cpu_seconds(stack.postgres_pid, children=True)
+        psql_seconds = min(copy_with_psql(psql, dsn) for _ in range(2)) if psql else float("inf")
+        copy_cpu = (cpu_seconds(stack.postgres_pid, children=True) - postgres_cpu) / (2 if psql else 1)
+        copy_seconds = min(psql_seconds, psycopg_seconds)
+        reference = "psql \\copy" if psql_seconds <= psycopg_seconds else "psycopg copy.read()"
+        copy_rate = rows / copy_seconds
+
+        runs: dict[int, Run] = {}
+        block_ranges = ranges_for(blocks, args.blocks_per_partition)
+        for workers in (1, POOL_LIMIT):
+            destination = Destination(dsn, stack.clickhouse_url, f"bench_snapshot_{workers}", args.blocks_per_partition)
+            prepare(destination)
+            print(f"snapshot of {len(block_ranges)} partitions of {args.blocks_per_partition} blocks, "
+                  f"{workers} at a time...", flush=True)
+            run = runs[workers] = snapshot_all(destination, block_ranges, workers, stack.postgres_pid, clickhouse_pid)
+            check_target(destination, rows)
+            print(f"  {run.rows_per_s:,.0f} rows/s, {run.seconds:.1f}s, current rows verified", flush=True)
+        server_rss = peak_rss_mb(clickhouse_pid)
+
+        whole: Run | None = None
+        if not args.skip_whole_table:
+            destination = Destination(dsn, stack.clickhouse_url, "bench_snapshot_whole", blocks)
+            prepare(destination)
+            print(f"one partition of the whole table ({blocks:,} blocks)...", flush=True)
+            whole = snapshot_all(destination, [BlockRange(0, blocks - 1)], 1, stack.postgres_pid, clickhouse_pid)
+            check_target(destination, rows)
+            print(f"  {whole.rows_per_s:,.0f} rows/s, current rows verified", flush=True)
+        server_rss_whole = peak_rss_mb(clickhouse_pid)
+    load_after = os.getloadavg()[0]
+
+    cores = len(os.sched_getaffinity(0))
+    best = max(runs.values(), key=lambda run: run.rows_per_s)
+    worker_rss = max(run.worker_peak_rss_mb for run in [*runs.values(), *([whole] if whole else [])])
+    figures = [
+        ("rows", f"{rows:,}", ""),
+        ("COPY text (MB, bytes/row)", f"{copy_bytes / 1e6:,.0f}, {copy_bytes / rows:,.0f}", ""),
+        ("psql \\copy to /dev/null rows/s", f"{rows / psql_seconds:,.0f}" if psql else "n/a", ""),
+        ("psycopg copy.read() drained rows/s", f"{rows / psycopg_seconds:,.0f}", ""),
+        (f"COPY rows/s ({reference})", f"{copy_rate:,.0f}", "reference"),
+        ("  postgres CPU s for one COPY", f"{copy_cpu:.1f}", ""),
+    ]
+    for workers, run in runs.items():
+        cpu = run.cpu_seconds
+        total = sum(cpu.values())
+        figures += [
+            (f"snapshot rows/s, {workers} at a time ({run.partitions} partitions)", f"{run.rows_per_s:,.0f}",
+             f">= {0.5 * copy_rate:,.0f}"),
+            ("  ratio to COPY", f"{run.rows_per_s / copy_rate:.2f}", ">= 0.50"),
+            ("  peak RSS of a partition process (MB)", f"{run.worker_peak_rss_mb:,.0f}", "< 1,024"),
+            ("  CPU s: postgres, partition processes, server",
+             ", ".join(f"{cpu[name]:.1f}" for name in ("postgres", "partition processes", "siphon-clickhouse")), ""),
+            (f"  CPU-bound ceiling on {cores} cores (rows/s)", f"{rows * cores / total:,.0f}",
+             "all CPU time / cores"),
+        ]
+    if whole:
+        figures += [
+            (f"one partition of all {blocks:,} blocks: rows/s", f"{whole.rows_per_s:,.0f}", ""),
+            ("  peak RSS of its process (MB)", f"{whole.worker_peak_rss_mb:,.0f}", "< 1,024"),
+        ]
+    figures += [
+        ("peak RSS of siphon-clickhouse (MB), partitions", f"{server_rss:,.0f}", "reported"),
+        ("  and after the whole-table partition", f"{server_rss_whole:,.0f}", "reported"),
+        ("load average before, after (other processes)", f"{load_before:.1f}, {load_after:.1f}", f"{cores} cores"),
+    ]
+    print_table("Snapshot of every block range into the embedded ClickHouse vs COPY to /dev/null", figures)
+    print_json({"rows_per_s": best.rows_per_s, "copy_rows_per_s": copy_rate, "ratio": best.rows_per_s / copy_rate,
+                "peak_rss_mb": worker_rss})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The column list a micro-batch is applied under, and keeping the target's table in step with it.
+
+The column list travels in every package. A batch is applied under the newest list it carries
+(by commit LSN, so a late redelivery cannot roll the schema back); rows of older packages are
+aligned to it by name, their missing columns filled like unchanged TOASTed values. A new list is
+ensured at the target once: an added column is added there and filled from then on; a dropped
+column stops being filled and stays at the target; a type the target cannot follow, or a new
+primary key, stops the table's stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from siphon_core.wire import siphon_pb2 as pb
+from siphon_dagster.streaming.batch import ReceivedPackage
+from siphon_dagster.streaming.source_rows import SourceRowReader
+from siphon_dagster.targets.base import SourceColumn, TableSchema, Target
+
+Fingerprint = tuple[tuple[str, int, int, bool], ...]
+
+
+class SchemaChangeError(RuntimeError):
+    """The source table changed in a way this table's stream cannot follow; the message says how."""
+
+
+class IncompatibleSchemaError(SchemaChangeError):
+    """A column's type changed in a way the target cannot follow: the table's stream stops."""
+
+
+def table_schema(schema: str, table: str, columns: Sequence[pb.Column],
+                 type_categories: dict[int, tuple[str, int]] | None = None) -> TableSchema:
+    """The table as a package describes it; `type_categories` (oid -> typcategory, typelem) from the
+    source catalog makes it identical to what the snapshot path reads."""
+    categories = type_categories or {}
+    return TableSchema(schema, table, tuple(
+        SourceColumn(name=c.name, type_oid=c.type_oid, type_name=c.type_name, type_modifier=c.type_modifier,
+                     nullable=c.nullable, primary_key=c.primary_key,
+                     category=categories.get(c.type_oid, ("", 0))[0],
+                     element_type_oid=categories.get(c.type_oid, ("", 0))[1])
+        for c in columns
+    ))
+
+
+def fingerprint(columns: Sequence[pb.Column]) -> Fingerprint:
+    return tuple((c.name, c.type_oid, c.type_modifier, c.primary_key) for c in columns)
+
+
+def primary_key(columns: Sequence[pb.Column]) -> tuple[str, ...]:
+    return tuple(c.name for c in columns if c.primary_key)
+
+
+@dataclass(frozen=True)
+class _Applied:
+    lsn: int
+    columns: tuple[pb.Column, ...]
+    fingerprint: Fingerprint
+
+
+class SchemaTracker:
+    """Remembers the column list last ensured at the target for one table."""
+
+    def __init__(self, target: Target, schema: str, table: str, source: SourceRowReader | None = None) -> None:
+        self.target = target
+        self.schema = schema
+        self.table = table
+        self.source = source
+        self._applied: _Applied | None = None
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.schema}.{self.table}"
+
+    def resolve(self, packages: Sequence[ReceivedPackage]) -> TableSchema:
+        """The column list to apply `packages` under, ensured at the target when it is new."""
+        newest = max(packages, key=lambda p: p.last_commit_lsn)
+        self._check_keys(packages, newest)
+        applied = self._applied
+        if applied is not None and applied.lsn > newest.last_commit_lsn:
+            return self._schema(applied.columns)  # a replay of older packages: keep the newer list
+        columns = newest.columns
+        table = self._schema(columns)
+        if applied is None or fingerprint(columns) != applied.fingerprint:
+            change = self.target.ensure_table(table)
+            if change.incompatible:
+                raise IncompatibleSchemaError(
+                    f"table {self.qualified_name}: target {self.target.name} cannot follow the source's schema as "
+                    f"of stream sequence {newest.sequence}: {'; '.join(map(str, change.incompatible))}. The "
+                    "table's stream stops here; rebuild its targets with the table's resync job")
+        self._applied = _Applied(newest.last_commit_lsn, columns, fingerprint(columns))
+        return table
+
+    def _schema(self, columns: Sequence[pb.Column]) -> TableSchema:
+        categories = self.source.type_categories([c.type_oid for c in columns]) if self.source else None
+        return table_schema(self.schema, self.table, columns, categories)
+
+    def _check_keys(self, packages: Sequence[ReceivedPackage], newest: ReceivedPackage) -> None:
+        """Every package, and the list applied before, must name the same primary key."""
+        key = primary_key(newest.columns)
+        if not key:
+            raise SchemaChangeError(f"table {self.qualified_name}: packages name no primary key columns; Siphon "
+                                    "needs a primary key or REPLICA IDENTITY FULL on the source table")
+        earlier = [(primary_key(p.columns), p.sequence) for p in packages]
+        if self._applied is not None:
+            earlier.append((primary_key(self._applied.columns), 0))
+        for other, sequence in earlier:
+            if other != key:
+                where = f"stream sequence {sequence}" if sequence else "the batches applied before"
+                raise SchemaChangeError(
+                    f"table {self.qualified_name}: the primary key changed from {list(other)} ({where}) to "
+                    f"{list(key)} (stream sequence {newest.sequence}); rebuild the table's targets with its "
+                    "resync job")
