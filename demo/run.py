@@ -42,6 +42,9 @@ def write_config(path: Path, env: dict[str, str], with_snowflake: bool) -> None:
         "producer": {"flush_interval_seconds": 1, "metrics_port": free_port()},
         "tables": DEMO_TABLES,
         "targets": {"clickhouse": {"url": env["SIPHON_CLICKHOUSE_URL"], "database": "siphon"}},
+        # Every streaming run is a thin client of the stack's one Spark Connect server.
+        "spark": {"remote": env["SIPHON_SPARK_REMOTE"]},
+        "streaming": {"batch_max_wait_seconds": 1.0},
     }
     if with_snowflake:
         config["targets"]["snowflake"] = {  # type: ignore[index]
@@ -64,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     processes: list[tuple[str, int]] = []
     stop = threading.Event()
     try:
-        print("starting the local stack (PostgreSQL, NATS JetStream, embedded ClickHouse, fakesnow)...", flush=True)
-        state = stack.up(stack_dir, with_snowflake=not args.no_snowflake)
+        print("starting the local stack (PostgreSQL, NATS JetStream, embedded ClickHouse, fakesnow, "
+              "Spark Connect)...", flush=True)
+        state = stack.up(stack_dir, with_snowflake=not args.no_snowflake, with_spark_connect=True)
         env = {**os.environ, **state.environment}
         os.environ.update(state.environment)
         workload.create_schema(env["SIPHON_PG_DSN"])
@@ -85,15 +89,20 @@ def main(argv: list[str] | None = None) -> int:
                        stdout=subprocess.DEVNULL)
 
         port = free_port()
-        # DAGSTER_MODULE_NAME selects the code location; DAGSTER_HOME holds the instance.
-        dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-h", "127.0.0.1", "-p", str(port)],
-                                directory / "dagster.log", env=env, cwd=Path(env["DAGSTER_HOME"]))
+        # `dagster dev` passes its own code-location arguments to the webserver it starts, which then
+        # also reads DAGSTER_MODULE_NAME and never comes up; so it gets `-m` and not the variable.
+        dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-m", "siphon_dagster",
+                                                "-h", "127.0.0.1", "-p", str(port)],
+                                directory / "dagster.log", env=env, cwd=Path(env["DAGSTER_HOME"]),
+                                unset=("DAGSTER_MODULE_NAME",))
         processes.append(("dagster", dagster.pid))
         wait_until("Dagster UI", lambda: port_accepts(port), 180.0, pid=dagster.pid,
                    log_path=directory / "dagster.log")
 
         writer = threading.Thread(target=_write_forever, args=(env["SIPHON_PG_DSN"], args.rate, stop), daemon=True)
         writer.start()
+        loader = threading.Thread(target=_snapshot_everything, args=(config_path, env, directory, stop), daemon=True)
+        loader.start()
         print(f"""
 Siphon demo is running.
   Dagster UI:        http://127.0.0.1:{port}  (Assets -> group siphon_demo_main_1)
@@ -102,7 +111,9 @@ Siphon demo is running.
   stack services:    source {stack_dir / 'stack.env'} for SIPHON_PG_DSN, SIPHON_CLICKHOUSE_URL, ...
   snapshot a table:  SIPHON_CONFIG={config_path} .venv/bin/dagster asset materialize -m siphon_dagster \\
                        --select clickhouse/public/notes --partition 00000000-00000063
-A workload commits about {args.rate:.0f} transactions per second. Press Ctrl-C to stop everything.
+A workload commits about {args.rate:.0f} transactions per second. Every partition of every table is being
+snapshotted (runs in the UI; log in {directory / 'snapshots.log'}) while the streaming sensor keeps one
+streaming run per (target, table) alive. Press Ctrl-C to stop everything.
 """, flush=True)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         while not stop.is_set():
@@ -120,6 +131,28 @@ A workload commits about {args.rate:.0f} transactions per second. Press Ctrl-C t
         stack.down(stack_dir)
         print("stopped.", flush=True)
     return 0
+
+
+def _snapshot_everything(config_path: Path, env: dict[str, str], directory: Path, stop: threading.Event) -> None:
+    """The initial load: every partition of every target asset, one asset at a time."""
+    from siphon_core.config import load_config
+    from siphon_dagster.specs import table_specs
+
+    bin_dir = Path(sys.executable).parent
+    with open(directory / "snapshots.log", "ab") as log:
+        for spec in table_specs(load_config(config_path)):
+            for target in spec.targets:
+                if stop.is_set():
+                    return
+                keys = subprocess.run([str(bin_dir / "siphon-dagster"), "partitions", "list", "--table",
+                                       spec.qualified_name], env=env, capture_output=True, text=True).stdout
+                ranges = [line.strip() for line in keys.splitlines() if line.startswith("  ")]
+                if not ranges:
+                    continue
+                selection = "/".join(spec.target_key(target).path)
+                subprocess.run([str(bin_dir / "dagster"), "asset", "materialize", "-m", "siphon_dagster",
+                                "--select", selection, "--partition-range", f"{ranges[0]}...{ranges[-1]}"],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _write_forever(dsn: str, rate: float, stop: threading.Event) -> None:

@@ -56,7 +56,8 @@ class OutgoingPackage:
 
     @property
     def package(self) -> pb.Package:
-        """The package as a message (parsed from the payload; for tests and diagnostics)."""
+        """The package as a message, parsed from the payload (for tests and diagnostics; the
+        publisher keeps only the compressed bytes once it took the package)."""
         package = pb.Package()
         package.ParseFromString(self.payload)
         return package

@@ -113,4 +113,10 @@ def ensure_slot(connection: psycopg.Connection[Any], slot: str) -> bool:
     except psycopg.errors.ConfigurationLimitExceeded as error:
         raise SourceSetupError(f"cannot create replication slot {slot!r}: {error.diag.message_primary}; "
                                "raise max_replication_slots or drop unused slots") from None
+    except psycopg.errors.InsufficientPrivilege as error:
+        role = connection.execute("select current_user").fetchone()[0]
+        raise SourceSetupError(
+            f"cannot create replication slot {slot!r}: {error.diag.message_primary}; the producer's role needs "
+            f"the REPLICATION attribute: ALTER ROLE {sql.Identifier(role).as_string(connection)} REPLICATION"
+        ) from None
     return True

@@ -118,11 +118,17 @@ class Publisher:
         """Nothing of this table waits to be sent or acknowledged."""
         return not self._by_table.get(relation_id)
 
-    async def wait_for_room(self) -> None:
-        """Backpressure: returns when fewer than `max_pending` packages await their acks."""
+    async def wait_for_room(self, timeout: float) -> bool:
+        """Backpressure: True once fewer than `max_pending` packages await their acks (or publishing
+        failed), False after `timeout` seconds without room."""
+        deadline = time.monotonic() + timeout
         while self._pending >= self._max_pending and self.failure is None:
             self._settled.clear()
-            await self._settled.wait()
+            try:
+                await asyncio.wait_for(self._settled.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return False
+        return True
 
     async def wait_for_acks(self) -> None:
         while self._pending and self.failure is None:

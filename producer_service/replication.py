@@ -26,14 +26,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from producer_service.pgoutput.messages import POSTGRES_EPOCH_OFFSET_US
 from siphon_core.naming import format_lsn, parse_lsn
+from siphon_core.session import PINNED_SETTINGS
 
-PINNED_SETTINGS = {
-    "DateStyle": "ISO,MDY",
-    "IntervalStyle": "postgres",
-    "TimeZone": "UTC",
-    "extra_float_digits": "3",
-    "bytea_output": "hex",
-}
 # English server messages when the role may set them (superuser only); otherwise the server's default.
 _MESSAGES_SETTING = "lc_messages"
 

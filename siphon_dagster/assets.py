@@ -64,6 +64,8 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         name=f"snapshot_{spec.job_suffix}_{target}",
         ins={"source_table": dg.AssetIn(key=spec.source_key, dagster_type=dg.Nothing)},
         partitions_def=spec.partitions_def,
+        # The CLI's --partition-range needs single-run backfills; the run walks the ranges itself.
+        backfill_policy=dg.BackfillPolicy.single_run(),
         pool=SNAPSHOT_POOL,
         outs={"snapshot": dg.AssetOut(
         key=spec.target_key(target),
@@ -79,34 +81,42 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         required_resource_keys={"source", resource_key},
     )
     def _snapshot(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        block_range = parse_key(context.partition_key, spec.table.blocks_per_partition)
+        # One run may cover a range of partitions (CLI --partition-range, or a backfill): each block
+        # range is read under its own temporary slot, one after another, so memory and the time a
+        # snapshot is held stay those of one range.
+        ranges = [parse_key(key, spec.table.blocks_per_partition) for key in context.partition_keys]
         source_resource: PostgresResource = context.resources.source
         with source_resource.connect() as connection:
             table = source.table_schema(connection, spec.table)
         destination = getattr(context.resources, resource_key).open_target()
         progress = SnapshotProgress()
+        consistent_points: list[str] = []
 
         def report(p: SnapshotProgress) -> None:
-            context.log.info(f"{spec.qualified_name} blocks {context.partition_key}: {p.rows:,} rows, "
-                             f"{p.bytes / 1e6:,.1f} MB, {p.rows / p.seconds:,.0f} rows/s")
+            context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, {p.bytes / 1e6:,.1f} MB, "
+                             f"{p.rows / p.seconds:,.0f} rows/s")
 
         try:
             destination.ensure_table(table)
             dsn = source_resource.snapshot_source_dsn
-            with exported_snapshot(dsn, on_wait=context.log.warning) as slot:
-                context.log.info(f"reading blocks {block_range.first_block}..{block_range.last_block} of "
-                                 f"{spec.qualified_name} as of {naming.format_lsn(slot.consistent_point)}")
-                chunks = read_range(dsn, slot.snapshot_name, table, block_range, progress, on_progress=report)
-                destination.apply_copy_text(table, chunks, naming.row_version(slot.consistent_point, 0))
+            for block_range in ranges:
+                with exported_snapshot(dsn, on_wait=context.log.warning) as slot:
+                    consistent_points.append(naming.format_lsn(slot.consistent_point))
+                    context.log.info(f"reading blocks {block_range.first_block}..{block_range.last_block} of "
+                                     f"{spec.qualified_name} as of {consistent_points[-1]}")
+                    chunks = read_range(dsn, slot.snapshot_name, table, block_range, progress, on_progress=report)
+                    destination.apply_copy_text(table, chunks, naming.row_version(slot.consistent_point, 0))
         finally:
             destination.close()
         report(progress)
         return dg.MaterializeResult(metadata={
             "dagster/row_count": progress.rows,
             "dagster/column_schema": column_schema_metadata(table),
-            "first_block": block_range.first_block,
-            "last_block": block_range.last_block,
-            "consistent_point": naming.format_lsn(slot.consistent_point),
+            "first_block": ranges[0].first_block,
+            "last_block": ranges[-1].last_block,
+            "partitions": len(ranges),
+            "consistent_point": consistent_points[0] if len(consistent_points) == 1 else
+            f"{consistent_points[0]} .. {consistent_points[-1]}",
             "bytes": dg.MetadataValue.int(progress.bytes),
             "rows_per_second": round(progress.rows / progress.seconds, 1),
             "seconds": round(progress.seconds, 3),

@@ -8,11 +8,11 @@ from typing import Any
 import psycopg
 
 from siphon_core.config import TableConfig
+from siphon_core.session import connection_options
 from siphon_dagster.targets.base import SourceColumn, TableSchema
 
 # Value text must not depend on database-level settings: the same pins as the producer's stream.
-SESSION_OPTIONS = ("-c DateStyle=ISO -c IntervalStyle=postgres -c TimeZone=UTC "
-                   "-c extra_float_digits=3 -c bytea_output=hex")
+SESSION_OPTIONS = connection_options()
 
 _COLUMNS_QUERY = """
 select a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), a.atttypmod, not a.attnotnull,

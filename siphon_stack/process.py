@@ -64,6 +64,7 @@ def start_process(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     preexec: Callable[[], None] | None = None,
+    unset: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
@@ -73,7 +74,7 @@ def start_process(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset},
             cwd=cwd,
             # Own process group: a Ctrl-C in the caller's terminal does not hit it,
             # and stopping it stops its children too.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,9 @@ class SparkConnectServer:
             "--conf", f"spark.local.dir={self.root / 'tmp'}",
             str(jar),
         ]
-        env = {"SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(self.root)}
+        # Python workers decode packages with Siphon's own modules: they run in this environment.
+        env = {"SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(self.root),
+               "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
         process = start_process("spark-connect", argv, self.log_path, env=env, cwd=self.root)
         wait_until("Spark Connect", lambda: port_accepts(self.port), timeout, pid=process.pid, log_path=self.log_path)
         return process.pid

@@ -1,5 +1,5 @@
-"""ProducerService._consume, the hot path, on raw replication messages: what it buffers must be
-exactly the events the pgoutput decoders and the generated protobuf code describe."""
+"""ChangeEncoder.consume, the producer's hot path, on raw replication messages: what it buffers
+must be exactly the events the pgoutput decoders and the generated protobuf code describe."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import struct
 
 import pytest
 
+from producer_service.changes import ChangeEncoder
+from producer_service.metrics import ProducerMetrics
+from producer_service.packaging import PackageLimits, Packager
 from producer_service.pgoutput import decode_message
 from producer_service.pgoutput.messages import POSTGRES_EPOCH_OFFSET_US
+from producer_service.progress import ProgressTracker
 from producer_service.relations import RelationInfo
-from producer_service.service import ProducerService
-from siphon_core.config import parse_config
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import ChunkReassembler
 from siphon_core.wire.tuple_data import decode_tuple, encode_tuple
@@ -77,16 +79,25 @@ class FakeCatalog:
                             None if len(keep) == len(message.columns) else tuple(keep), message.replica_identity)
 
 
-def make_service(excluded: set[str] = frozenset(), **producer) -> tuple[ProducerService, list]:
-    config = parse_config({"application_identifier": "unit", "source": {"dsn": "postgresql://u@127.0.0.1:1/db"},
-                           "queue": {"max_message_bytes": producer.pop("max_message_bytes", 1_048_576)},
-                           "producer": {"max_package_events": 100_000, **producer},
-                           "tables": [{"name": "public.items", "exclude_columns": sorted(excluded)}]})
-    service = ProducerService(config)
-    service._catalog = FakeCatalog(set(excluded))
-    out: list = []
-    service._packager._emit = out.append  # instead of the publisher
-    return service, out
+class Harness:
+    """A ChangeEncoder with its packager and tracker; packages land in `out` instead of a queue."""
+
+    def __init__(self, excluded: set[str] = frozenset(), max_package_events: int = 100_000,
+                 max_message_bytes: int = 1_048_576) -> None:
+        self.out: list = []
+        self.tracker = ProgressTracker()
+        self.packager = Packager("unit", PackageLimits(max_package_events, 800_000, 3.0, max_message_bytes),
+                                 self.out.append, hold=self.tracker.hold)
+        catalog = FakeCatalog(set(excluded))
+        self.encoder = ChangeEncoder(self.packager, self.tracker, ProducerMetrics(), catalog.update,
+                                     lambda relation: f"siphon.unit.{relation.schema}.{relation.table}")
+
+    def consume(self, payloads: list[bytes | memoryview]) -> bool:
+        return self.encoder.consume([p if isinstance(p, memoryview) else xlog(p) for p in payloads])
+
+    def flush(self) -> list:
+        self.packager.flush_all()
+        return self.out
 
 
 def events_of(out: list) -> list[pb.Event]:
@@ -116,10 +127,10 @@ def expected_events(payloads: list[bytes], keep: list[int] | None = None) -> lis
             txn, position = message, 0
         elif name in ("Insert", "Update", "Delete", "Truncate"):
             operations = {"Insert": pb.INSERT, "Update": pb.UPDATE, "Delete": pb.DELETE, "Truncate": pb.TRUNCATE}
-            for _ in message.relation_ids if name == "Truncate" else [None]:
-                position += 1
+            count = len(message.relation_ids) if name == "Truncate" else 1
+            for event_position in range(position + 1, position + count + 1):
                 event = pb.Event(operation=operations[name], xid=txn.xid, commit_lsn=txn.final_lsn,
-                                 position=position, commit_time_us=txn.commit_time)
+                                 position=event_position, commit_time_us=txn.commit_time)
                 new = project(getattr(message, "new_tuple", None))
                 old = project(getattr(message, "old_tuple", None))
                 if new is not None:
@@ -129,11 +140,12 @@ def expected_events(payloads: list[bytes], keep: list[int] | None = None) -> lis
                     event.old_row_is_full = message.old_kind == "O"
                     event.old_row_is_key = message.old_kind == "K"
                 events.append(event)
+            position += count
     return events
 
 
 def test_every_change_shape_is_buffered_as_the_decoders_describe_it():
-    service, out = make_service()
+    harness = Harness()
     payloads = [
         begin(0x5000, 901, time_us=1_234_567),
         relation(["id", "name", "note"]),
@@ -147,19 +159,19 @@ def test_every_change_shape_is_buffered_as_the_decoders_describe_it():
         truncate(RELATION_ID),
         commit(0x5000, 0x5100),
     ]
-    reply = service._consume([xlog(p) for p in payloads] + [keepalive(0x6000, True)])
-    service._packager.flush_all()
+    reply = harness.consume([*payloads, keepalive(0x6000, True)])
+    out = harness.flush()
 
     events = events_of(out)
     assert events == expected_events(payloads)
     assert events[0].commit_time_us == 1_234_567 + POSTGRES_EPOCH_OFFSET_US
     assert [e.position for e in events] == list(range(1, 9))
-    assert reply and service._server_wal_end == 0x6000
+    assert reply and harness.encoder.server_wal_end == 0x6000
     assert out[0].package.columns[0].name == "id" and out[0].package.first_commit_lsn == 0x5000
 
 
 def test_excluded_columns_leave_new_and_old_rows():
-    service, out = make_service(excluded={"secret"})
+    harness = Harness(excluded={"secret"})
     payloads = [
         begin(0x10, 5),
         relation(["id", "secret", "note"]),
@@ -169,8 +181,8 @@ def test_excluded_columns_leave_new_and_old_rows():
         delete([b"2", None, None]),
         commit(0x10, 0x20),
     ]
-    service._consume([xlog(p) for p in payloads])
-    service._packager.flush_all()
+    harness.consume(payloads)
+    out = harness.flush()
 
     events = events_of(out)
     assert events == expected_events(payloads, keep=[0, 2])
@@ -179,15 +191,14 @@ def test_excluded_columns_leave_new_and_old_rows():
 
 
 def test_positions_and_packages_of_a_large_transaction():
-    service, out = make_service(max_package_events=7_000)
+    harness = Harness(max_package_events=7_000)
     rows = 20_000  # positions beyond the cached position fields
     payloads = [begin(0x7000, 77), relation(["id", "v"])]
     payloads += [insert([str(i).encode(), b"v"]) for i in range(rows)]
     payloads.append(commit(0x7000, 0x7100))
-    batch = [xlog(p) for p in payloads]
-    for start in range(0, len(batch), 2000):  # as the loop reads it
-        service._consume(batch[start:start + 2000])
-    service._packager.flush_all()
+    for start in range(0, len(payloads), 2000):  # as the loop reads it
+        harness.consume(payloads[start:start + 2000])
+    out = harness.flush()
 
     assert [o.event_count for o in out] == [7_000, 7_000, 6_000]
     events = events_of(out)
@@ -197,38 +208,37 @@ def test_positions_and_packages_of_a_large_transaction():
 
 
 def test_an_event_above_the_message_limit_is_sliced():
-    service, out = make_service(max_message_bytes=65_536)
+    harness = Harness(max_message_bytes=65_536)
     payloads = [begin(0x10, 5), relation(["id", "body"]), insert([b"1", bytes(range(256)) * 600]),
                 insert([b"2", b"small"]), commit(0x10, 0x20)]
-    service._consume([xlog(p) for p in payloads])
-    service._packager.flush_all()
+    harness.consume(payloads)
+    out = harness.flush()
 
     assert sum(1 for o in out if o.package.HasField("chunk")) >= 3
     assert events_of(out) == expected_events(payloads)
 
 
 def test_progress_follows_commits_and_heartbeats():
-    service, out = make_service()
-    service._consume([xlog(begin(0x10, 5)), xlog(relation(["id"])), xlog(insert([b"1"])), xlog(commit(0x10, 0x20))])
-    assert service._tracker.confirmed_lsn == 0  # the event waits in a buffer
-    service._packager.flush_all()
-    for outgoing in out:
-        service._tracker.release(outgoing.first_ordinal)  # as the publisher's acks do
-    assert service._tracker.confirmed_lsn == 0x20
-    service._consume([xlog(logical_message(0x30))])  # a heartbeat on an idle source
-    assert service._tracker.confirmed_lsn == 0x30
+    harness = Harness()
+    harness.consume([begin(0x10, 5), relation(["id"]), insert([b"1"]), commit(0x10, 0x20)])
+    assert harness.tracker.confirmed_lsn == 0  # the event waits in a buffer
+    for outgoing in harness.flush():
+        harness.tracker.release(outgoing.first_ordinal)  # as the publisher's acks do
+    assert harness.tracker.confirmed_lsn == 0x20
+    harness.consume([logical_message(0x30)])  # a heartbeat on an idle source
+    assert harness.tracker.confirmed_lsn == 0x30
 
 
 def test_a_new_column_list_cuts_the_buffered_events_first():
-    service, out = make_service()
-    service._consume([xlog(begin(0x10, 5)), xlog(relation(["id"])), xlog(insert([b"1"])),
-                      xlog(relation(["id", "added"])), xlog(insert([b"2", b"x"])), xlog(commit(0x10, 0x20))])
-    service._packager.flush_all()
+    harness = Harness()
+    harness.consume([begin(0x10, 5), relation(["id"]), insert([b"1"]), relation(["id", "added"]),
+                     insert([b"2", b"x"]), commit(0x10, 0x20)])
+    out = harness.flush()
     assert [len(o.package.columns) for o in out] == [1, 2]
     assert [e.position for e in events_of(out)] == [1, 2]
 
 
 def test_a_change_before_its_relation_is_a_clear_error():
-    service, _ = make_service()
+    harness = Harness()
     with pytest.raises(RuntimeError, match="relation 16384 arrived before its Relation message"):
-        service._consume([xlog(begin(0x10, 5)), xlog(insert([b"1"]))])
+        harness.consume([begin(0x10, 5), insert([b"1"])])

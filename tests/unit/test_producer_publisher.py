@@ -150,7 +150,7 @@ def test_backpressure_and_idle_tables():
         for number in range(3):
             publisher.submit(package(number, table=1), "subject.1")
         assert publisher.pending == 3 and not publisher.table_is_idle(1) and publisher.table_is_idle(2)
-        await asyncio.wait_for(publisher.wait_for_room(), 5)
+        assert await publisher.wait_for_room(timeout=5)
         assert publisher.pending < 3
         await asyncio.wait_for(publisher.wait_for_acks(), 5)
         assert publisher.table_is_idle(1)
