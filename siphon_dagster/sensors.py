@@ -7,10 +7,10 @@ import time
 
 import dagster as dg
 
-from siphon_dagster import source
+from siphon_dagster import source as source_db
 from siphon_dagster.assets import observe_source
 from siphon_dagster.partitions import missing_keys
-from siphon_dagster.resources import PostgresResource
+from siphon_dagster.resources import NatsResource, PostgresResource
 from siphon_dagster.specs import TableSpec
 
 
@@ -20,7 +20,7 @@ def partition_requests(instance: dg.DagsterInstance, connection, specs: list[Tab
     requests = []
     blocks: dict[str, int] = {}
     for spec in specs:
-        size = source.table_size(connection, spec.table)
+        size = source_db.table_size(connection, spec.table)
         blocks[spec.qualified_name] = size.blocks
         existing = instance.get_dynamic_partitions(spec.partitions_def_name)
         keys = missing_keys(existing, size.blocks, spec.table.blocks_per_partition)
@@ -37,11 +37,9 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Adds the block-range partitions of tables that grew and observes each source table "
                     "(size, row estimate, LSN). The cursor holds each table's block count at the last tick.",
-        required_resource_keys={"source"},
     )
-    def _partitions(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:
-        resource: PostgresResource = context.resources.source
-        with resource.connect() as connection:
+    def _partitions(context: dg.SensorEvaluationContext, source: PostgresResource) -> dg.SensorResult:
+        with source.connect() as connection:
             requests, blocks = partition_requests(context.instance, connection, specs)
             observations = [observe_source(spec, connection) for spec in specs]
         cursor = json.dumps(blocks, sort_keys=True)
@@ -65,7 +63,8 @@ def consecutive_failures(instance: dg.DagsterInstance, job_name: str, window: in
         if record.dagster_run.status != dg.DagsterRunStatus.FAILURE:
             break
         failures += 1
-        last_end = max(last_end, record.end_time or 0.0)
+        ended = record.end_time or record.update_timestamp.timestamp()
+        last_end = max(last_end, ended)
     return failures, last_end
 
 
@@ -86,11 +85,10 @@ def build_streaming_sensor(specs: list[TableSpec], group: str, jobs: dict[tuple[
         description="Keeps one streaming run per (target, table) alive: starts one when none is queued or "
                     "running, backs off after repeated failures. The cursor records each job's failures, "
                     "backoff and the queue's pending count.",
-        required_resource_keys={"queue"},
     )
-    def _streaming(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+    def _streaming(context: dg.SensorEvaluationContext, queue: NatsResource) -> dg.SensorResult:
         state = json.loads(context.cursor) if context.cursor else {}
-        pending = _pending_counts(context, specs, jobs)
+        pending = _pending_counts(context, queue, jobs)
         requests = []
         for job in jobs.values():
             entry = state.setdefault(job.name, {})
@@ -114,13 +112,13 @@ def build_streaming_sensor(specs: list[TableSpec], group: str, jobs: dict[tuple[
     return _streaming
 
 
-def _pending_counts(context: dg.SensorEvaluationContext, specs: list[TableSpec],
+def _pending_counts(context: dg.SensorEvaluationContext, resource: NatsResource,
                     jobs: dict[tuple[str, str], dg.JobDefinition]) -> dict[str, int | None]:
     """Each consumer's pending messages; an unreachable queue is logged, never fatal to the tick."""
     from siphon_core import naming
 
     async def fetch() -> dict[str, int | None]:
-        queue = context.resources.queue.queue(client_name="siphon streaming sensor")
+        queue = resource.queue(client_name="siphon streaming sensor")
         await queue.connect(connect_timeout=2.0)
         counts: dict[str, int | None] = {}
         try:

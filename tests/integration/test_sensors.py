@@ -1,0 +1,159 @@
+"""The sensors, one test per cursor scenario, on a test instance against real PostgreSQL and NATS."""
+
+import asyncio
+import json
+
+import dagster as dg
+import psycopg
+import pytest
+from dagster._core.test_utils import create_run_for_test
+from psycopg import sql
+
+from siphon_core import naming
+from siphon_core.config import parse_config
+from siphon_dagster.definitions import build_definitions, build_resources
+from siphon_dagster.sensors import backoff_seconds, build_streaming_sensor
+from siphon_dagster.specs import table_specs
+
+
+@pytest.fixture
+def config(postgres_dsn, nats_url, unique_name):
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
+        connection.execute(sql.SQL("create table {} (id int primary key, body text)").format(
+            sql.Identifier(unique_name, "grows")))
+        connection.execute(sql.SQL("insert into {} select g, repeat('x', 200) from generate_series(1, 300) g")
+                           .format(sql.Identifier(unique_name, "grows")))
+    return parse_config({
+        "application_identifier": unique_name,
+        "source": {"dsn": postgres_dsn},
+        "queue": {"url": nats_url},
+        "tables": [{"name": f"{unique_name}.grows", "blocks_per_partition": 4}],
+        "targets": {"clickhouse": {"url": "http://127.0.0.1:1"}},
+    })
+
+
+def sensor(defs, suffix):
+    return next(s for s in defs.sensors if s.name.endswith(suffix))
+
+
+def tick(defs, config, instance, name, cursor=None):
+    context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(config),
+                                      definitions=defs)
+    return sensor(defs, name)(context)
+
+
+def test_partitions_first_tick_adds_every_range_and_observes_the_source(config):
+    defs = build_definitions(config)
+    spec = table_specs(config)[0]
+    with dg.instance_for_test() as instance:
+        result = tick(defs, config, instance, "_partitions")
+        keys = [key for request in result.dynamic_partitions_requests for key in request.partition_keys]
+        with psycopg.connect(config.source.dsn) as connection:
+            blocks = connection.execute("select pg_relation_size(%s) / 8192",
+                                        (f'"{spec.schema}".grows',)).fetchone()[0]
+        assert len(keys) == -(-blocks // 4) and keys[0] == "00000000-00000003"
+        assert json.loads(result.cursor) == {spec.qualified_name: blocks}
+        observation = result.asset_events[0]
+        assert observation.asset_key == spec.source_key
+        assert observation.metadata["blocks"].value == blocks
+
+
+def test_partitions_tick_with_nothing_new_requests_nothing(config):
+    defs = build_definitions(config)
+    spec = table_specs(config)[0]
+    with dg.instance_for_test() as instance:
+        first = tick(defs, config, instance, "_partitions")
+        for request in first.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        second = tick(defs, config, instance, "_partitions", cursor=first.cursor)
+        assert second.dynamic_partitions_requests == []
+        assert second.cursor == first.cursor
+        assert len(instance.get_dynamic_partitions(spec.partitions_def_name)) > 0
+
+
+def test_partitions_tick_after_growth_adds_only_the_new_ranges(config):
+    defs = build_definitions(config)
+    spec = table_specs(config)[0]
+    with dg.instance_for_test() as instance:
+        first = tick(defs, config, instance, "_partitions")
+        for request in first.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        before = set(instance.get_dynamic_partitions(spec.partitions_def_name))
+        with psycopg.connect(config.source.dsn, autocommit=True) as connection:
+            connection.execute(sql.SQL("insert into {} select g, repeat('y', 200) from generate_series(301, 3000) g")
+                               .format(sql.Identifier(spec.schema, "grows")))
+        grown = tick(defs, config, instance, "_partitions", cursor=first.cursor)
+        added = [key for request in grown.dynamic_partitions_requests for key in request.partition_keys]
+        assert added and not before & set(added)
+        assert json.loads(grown.cursor)[spec.qualified_name] > json.loads(first.cursor)[spec.qualified_name]
+
+
+def streaming_job_name(config):
+    return table_specs(config)[0].stream_job_name("clickhouse")
+
+
+def test_streaming_sensor_starts_a_run_when_none_is_alive(config):
+    defs = build_definitions(config)
+    with dg.instance_for_test() as instance:
+        result = tick(defs, config, instance, "_streaming")
+        assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
+        state = json.loads(result.cursor)[streaming_job_name(config)]
+        assert state["failures"] == 0
+
+
+def test_streaming_sensor_does_not_start_a_duplicate(config):
+    defs = build_definitions(config)
+    with dg.instance_for_test() as instance:
+        create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED)
+        result = tick(defs, config, instance, "_streaming")
+        assert result.run_requests == []
+
+
+def test_streaming_sensor_backs_off_after_repeated_failures_and_resumes_later(config):
+    defs = build_definitions(config)
+    specs = table_specs(config)
+    job = defs.resolve_job_def(streaming_job_name(config))
+    with dg.instance_for_test() as instance:
+        for _ in range(4):
+            create_run_for_test(instance, job_name=job.name, status=dg.DagsterRunStatus.FAILURE)
+        result = tick(defs, config, instance, "_streaming")
+        assert result.run_requests == []
+        state = json.loads(result.cursor)[job.name]
+        assert state["failures"] == 4 and state["backoff_until"] > 0
+        # Once the backoff has passed, the sensor tries again.
+        later = build_streaming_sensor(specs, "later", {("clickhouse", specs[0].qualified_name): job},
+                                       failure_threshold=3, now=lambda: state["backoff_until"] + 1)
+        context = dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs)
+        assert [r.job_name for r in later(context).run_requests] == [job.name]
+
+
+def test_backoff_grows_and_is_capped():
+    assert backoff_seconds(2, 3) == 0
+    assert backoff_seconds(3, 3) == 30 < backoff_seconds(4, 3) == 60
+    assert backoff_seconds(20, 3) == 600
+
+
+def test_streaming_sensor_records_the_pending_count(config):
+    from siphon_core.queue import JetStreamQueue, StreamSettings
+
+    spec = table_specs(config)[0]
+    subject = naming.table_subject(config.application_identifier, spec.schema, spec.name)
+    durable = naming.consumer_name("clickhouse", spec.schema, spec.name)
+
+    async def publish_three():
+        queue = JetStreamQueue(config.queue.url, StreamSettings(config.application_identifier))
+        await queue.connect()
+        try:
+            await queue.ensure_stream()
+            await queue.ensure_consumer(durable, subject)
+            for index in range(3):
+                await queue.publish(subject, b"x", message_id=f"m{index}")
+        finally:
+            await queue.close()
+
+    asyncio.run(publish_three())
+    defs = build_definitions(config)
+    with dg.instance_for_test() as instance:
+        result = tick(defs, config, instance, "_streaming")
+        assert json.loads(result.cursor)[streaming_job_name(config)]["pending"] == 3
