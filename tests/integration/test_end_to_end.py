@@ -219,6 +219,7 @@ def test_stream_and_snapshots_under_a_live_workload_converge_in_every_target(app
         with source.connect(config.source.dsn) as connection:
             tables = {spec.qualified_name: source.table_schema(connection, spec.table) for spec in specs}
         assert "priority" in tables[f"{config.tables[0].schema_name}.items"].column_names
+        problems = []
         for target_name, resource_key in (("clickhouse", "clickhouse_target"), ("snowflake", "snowflake_target")):
             target = resources[resource_key].open_target()
             try:
@@ -228,12 +229,18 @@ def test_stream_and_snapshots_under_a_live_workload_converge_in_every_target(app
                     missing = expected.keys() - actual.keys()
                     extra = actual.keys() - expected.keys()
                     differing = [k for k in expected.keys() & actual.keys() if expected[k] != actual[k]]
-                    assert not missing and not extra and not differing, (
-                        f"{target_name} {name}: {len(missing)} missing, {len(extra)} extra, {len(differing)} differ; "
-                        f"e.g. {[(k, expected.get(k), actual.get(k)) for k in (list(missing) + list(extra) + differing)[:2]]}")
-                    assert target.count_current(table) == len(expected)
+                    if missing or extra or differing:
+                        columns = sorted({table.columns[i].name for k in differing
+                                          for i, (a, b) in enumerate(zip(expected[k], actual[k], strict=True))
+                                          if a != b})
+                        problems.append(f"{target_name} {name}: {len(missing)} missing (e.g. {sorted(missing)[:3]}), "
+                                        f"{len(extra)} extra (e.g. {sorted(extra)[:3]}), {len(differing)} differ "
+                                        f"(keys {sorted(differing)[:5]}, columns {columns})")
+                    elif target.count_current(table) != len(expected):
+                        problems.append(f"{target_name} {name}: count_current disagrees with the rows read")
             finally:
                 target.close()
+        assert not problems, "\n".join(problems)
     finally:
         workload.stop.set()
         stop_pid(producer.pid, timeout=30)
