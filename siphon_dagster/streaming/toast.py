@@ -176,8 +176,11 @@ def _from_source(requests: list[_Request], keys: Sequence[bytes], table: TableSc
             "them; configure source.dsn for the streaming run")
     columns = sorted({names[p] for r in requests for p in r.positions})
     current = source.read_rows(table, [_key_text(keys[r.row]) for r in requests], columns)
+    gone: list[tuple[str, ...]] = []
     for request in requests:
         row = current.get(_key_text(keys[request.row]))
+        if row is None:
+            gone.append(_key_text(keys[request.row]))
         for position in request.positions:
             if row is None:
                 # Deleted at the source since: the delete arrives later with a greater version.
@@ -189,7 +192,7 @@ def _from_source(requests: list[_Request], keys: Sequence[bytes], table: TableSc
     if fills.stats.missing_at_source:
         _log.warning("rows gone from the source while filling unchanged TOASTed values; a later delete "
                      "will tombstone them", table=f"{table.schema}.{table.table}",
-                     values=fills.stats.missing_at_source)
+                     values=fills.stats.missing_at_source, keys=gone[:5])
 
 
 def _patch(folded: pa.Table, values: dict[int, dict[int, str | None]]) -> pa.Table:

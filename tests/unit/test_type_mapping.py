@@ -155,3 +155,10 @@ def test_document_is_current() -> None:
     assert DOC.read_text() == mapping_document(), (
         "docs/type-mapping.md is stale: python -m siphon_dagster.targets.type_mapping > docs/type-mapping.md"
     )
+
+
+def test_readme_carries_the_current_table() -> None:
+    readme = (DOC.parent.parent / "README.md").read_text()
+    rows = [line for line in mapping_document().splitlines() if line.startswith("| `")]
+    missing = [row for row in rows if row not in readme]
+    assert not missing, f"README.md's type mapping is stale, e.g. {missing[:1]}"
