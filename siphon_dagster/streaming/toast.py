@@ -62,6 +62,8 @@ class _Request:
 class _Fills:
     values: dict[int, dict[int, str | None]] = field(default_factory=lambda: defaultdict(dict))
     stats: ToastStats = field(default_factory=ToastStats)
+    # Rows the source no longer holds under their key: they are left out of the batch (see _from_source).
+    dropped: set[int] = field(default_factory=set)
 
 
 def fill_unchanged(folded: pa.Table, table: TableSchema, target: Target, source: SourceRowReader | None,
@@ -89,7 +91,11 @@ def fill_unchanged(folded: pa.Table, table: TableSchema, target: Target, source:
     stored = _follow_lineage(lineage, history, fills)
     fresh += _from_target(stored, table, target, fills)
     _from_source(fresh, keys, table, source, fills)
-    return _patch(folded, fills.values), fills.stats
+    patched = _patch(folded, fills.values)
+    if fills.dropped:
+        keep = [r not in fills.dropped for r in range(patched.num_rows)]
+        patched = patched.filter(pa.array(keep, pa.bool_()))
+    return patched, fills.stats
 
 
 def _follow_lineage(requests: list[_Request], history: HistoryReader, fills: _Fills) -> list[_Request]:
@@ -180,19 +186,19 @@ def _from_source(requests: list[_Request], keys: Sequence[bytes], table: TableSc
     for request in requests:
         row = current.get(_key_text(keys[request.row]))
         if row is None:
+            # The key was deleted or changed since this change: that later change is in the stream
+            # with a greater version and supersedes this one. Writing the row now would store an
+            # unknown value that a later primary-key update could copy, so the row is left out.
             gone.append(_key_text(keys[request.row]))
+            fills.dropped.add(request.row)
+            fills.stats.missing_at_source += len(request.positions)
+            continue
         for position in request.positions:
-            if row is None:
-                # Deleted at the source since: the delete arrives later with a greater version.
-                fills.values[request.row][position] = None
-                fills.stats.missing_at_source += 1
-            else:
-                fills.values[request.row][position] = row[names[position]]
-                fills.stats.from_source += 1
-    if fills.stats.missing_at_source:
-        _log.warning("rows gone from the source while filling unchanged TOASTed values; a later delete "
-                     "will tombstone them", table=f"{table.schema}.{table.table}",
-                     values=fills.stats.missing_at_source, keys=gone[:5])
+            fills.values[request.row][position] = row[names[position]]
+            fills.stats.from_source += 1
+    if gone:
+        _log.info("changes of rows no longer at the source left out; later changes supersede them",
+                  table=f"{table.schema}.{table.table}", rows=len(gone), keys=gone[:5])
 
 
 def _patch(folded: pa.Table, values: dict[int, dict[int, str | None]]) -> pa.Table:

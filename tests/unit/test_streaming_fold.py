@@ -118,10 +118,21 @@ def test_unchanged_toast_is_re_read_from_the_source_when_the_target_has_no_row(s
     target = MemoryTarget()
     source = FakeSource(rows={("1",): {"id": "1", "body": "from source", "score": "9"}})
     applied = apply(spark, target, package([update(0x20, "1", U, "5"), update(0x21, "2", U, "6")]), source=source)
-    # Key 2 is gone at the source: a later delete will tombstone it, so NULL is only transient.
-    assert rows(target) == {"1": ("1", "from source", "5"), "2": ("2", None, "6")}
+    # Key 2 is gone at the source: its change is left out (a later delete or key update supersedes it),
+    # so no unknown value is ever stored for a later key update to copy.
+    assert rows(target) == {"1": ("1", "from source", "5")}
     assert sorted(source.asked) == [(("1",), ("body",)), (("2",), ("body",))]
     assert (applied.toast.from_source, applied.toast.missing_at_source) == (1, 1)
+
+
+def test_a_key_update_after_a_change_left_out_takes_the_value_from_the_source(spark: SparkSession) -> None:
+    """An update of key 1 is applied after key 1 became key 2 at the source; then the key update arrives."""
+    target = MemoryTarget()
+    source = FakeSource(rows={("2",): {"id": "2", "body": "kept", "score": "6"}})
+    apply(spark, target, package([update(0x20, "1", U, "5")]), source=source)
+    assert rows(target) == {}
+    apply(spark, target, package([update(0x21, "2", U, "6", old_key=["1", None, None])]), source=source)
+    assert rows(target) == {"2": ("2", "kept", "6")}
 
 
 def test_without_a_source_an_unfillable_value_is_an_error_naming_the_table(spark: SparkSession) -> None:
