@@ -136,7 +136,7 @@ class Publisher:
             await self._settled.wait()
 
     async def close(self) -> None:
-        """Stops publishing (after a failure nothing of this session may be stored later)."""
+        """Stops publishing (after a failure nothing this publisher holds may be stored later)."""
         tasks = [item.task for item in self._in_flight if item.task is not None]
         if self._task is not None:
             tasks.append(self._task)

@@ -129,7 +129,7 @@ class ProducerService:
                                         config.producer.max_unacked_packages)
             await self._stream(control)
         finally:
-            # After a failure nothing of this session may reach the stream once a new one started.
+            # After a failure nothing of this connection may reach the stream once a new one started.
             if self._publisher is not None:
                 await self._publisher.close()
             if self._queue is not None:

@@ -79,7 +79,7 @@ class ClickHouseTarget:
             self._client = None
 
     def _names(self, table: TableSchema) -> sql.TableNames:
-        return sql.TableNames(self.database, table)
+        return sql.TableNames(table=table, database=self.database)
 
     def _command(self, names: sql.TableNames, what: str, statement: str, parameters: dict | None = None) -> Any:
         try:

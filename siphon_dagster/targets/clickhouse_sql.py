@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from clickhouse_connect.driver.binding import escape_str
 
-from siphon_core.naming import current_view_name, target_table_name
 from siphon_dagster.targets.base import (
     DELETED_COLUMN,
     META_COLUMNS,
@@ -19,9 +18,8 @@ from siphon_dagster.targets.base import (
     SourceColumn,
     TableSchema,
     TargetError,
-    shadow_table_name,
-    truncations_table_name,
 )
+from siphon_dagster.targets.names import TargetTableNames
 from siphon_dagster.targets.type_mapping import clickhouse_type, mapping_for
 
 META_TYPES = {VERSION_COLUMN: "UInt128", DELETED_COLUMN: "UInt8", SYNCED_AT_COLUMN: "DateTime64(6, 'UTC')"}
@@ -46,44 +44,16 @@ def stage_column(index: int) -> str:
     return f"c{index}"
 
 
-@dataclass(frozen=True)
-class TableNames:
+@dataclass(frozen=True, kw_only=True)
+class TableNames(TargetTableNames):
     database: str
-    table: TableSchema
 
     def qualified(self, name: str) -> str:
         return f"{quote(self.database)}.{quote(name)}"
 
     @property
-    def table_name(self) -> str:
-        return target_table_name(self.table.schema, self.table.table)
-
-    @property
-    def live(self) -> str:
-        return self.qualified(self.table_name)
-
-    @property
-    def shadow_name(self) -> str:
-        return shadow_table_name(self.table.schema, self.table.table)
-
-    @property
-    def shadow(self) -> str:
-        return self.qualified(self.shadow_name)
-
-    @property
-    def truncations(self) -> str:
-        return self.qualified(truncations_table_name(self.table.schema, self.table.table))
-
-    @property
-    def view_name(self) -> str:
-        return current_view_name(self.table.schema, self.table.table)
-
-    @property
-    def view(self) -> str:
-        return self.qualified(self.view_name)
-
-    def describe(self, what: str) -> str:
-        return f"clickhouse {self.database}.{self.table_name} ({self.table.schema}.{self.table.table}): {what}"
+    def location(self) -> str:
+        return f"clickhouse {self.database}"
 
 
 def check_columns(table: TableSchema) -> None:

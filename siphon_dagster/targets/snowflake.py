@@ -80,7 +80,7 @@ class SnowflakeTarget:
             self._connection = None
 
     def _names(self, table: TableSchema) -> sql.TableNames:
-        return sql.TableNames(self.database, self.schema, table)
+        return sql.TableNames(table=table, database=self.database, schema=self.schema)
 
     def _execute(self, names: sql.TableNames, what: str, statement: str, params: Sequence[Any] | None = None) -> Any:
         cursor = self._connect().cursor()

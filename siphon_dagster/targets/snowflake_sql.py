@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from siphon_core.naming import current_view_name, target_table_name
 from siphon_dagster.targets.base import (
     DELETED_COLUMN,
     META_COLUMNS,
@@ -18,9 +17,8 @@ from siphon_dagster.targets.base import (
     SourceColumn,
     TableSchema,
     TargetError,
-    shadow_table_name,
-    truncations_table_name,
 )
+from siphon_dagster.targets.names import TargetTableNames
 from siphon_dagster.targets.type_mapping import mapping_for, snowflake_type
 
 # A version is (commit LSN << 32 | position): at most 96 bits, i.e. 29 decimal digits. NUMBER(29,0)
@@ -54,49 +52,17 @@ def stage_column(index: int) -> str:
     return f"c{index}"
 
 
-@dataclass(frozen=True)
-class TableNames:
+@dataclass(frozen=True, kw_only=True)
+class TableNames(TargetTableNames):
     database: str
     schema: str
-    table: TableSchema
 
     def qualified(self, name: str) -> str:
         return f"{quote(self.database)}.{quote(self.schema)}.{quote(name)}"
 
     @property
-    def table_name(self) -> str:
-        return target_table_name(self.table.schema, self.table.table)
-
-    @property
-    def live(self) -> str:
-        return self.qualified(self.table_name)
-
-    @property
-    def shadow_name(self) -> str:
-        return shadow_table_name(self.table.schema, self.table.table)
-
-    @property
-    def shadow(self) -> str:
-        return self.qualified(self.shadow_name)
-
-    @property
-    def truncations_name(self) -> str:
-        return truncations_table_name(self.table.schema, self.table.table)
-
-    @property
-    def truncations(self) -> str:
-        return self.qualified(self.truncations_name)
-
-    @property
-    def view_name(self) -> str:
-        return current_view_name(self.table.schema, self.table.table)
-
-    @property
-    def view(self) -> str:
-        return self.qualified(self.view_name)
-
-    def describe(self, what: str) -> str:
-        return f"snowflake {self.database}.{self.schema}.{self.table_name} ({self.table.schema}.{self.table.table}): {what}"
+    def location(self) -> str:
+        return f"snowflake {self.database}.{self.schema}"
 
 
 def check_columns(table: TableSchema) -> None:
