@@ -375,6 +375,8 @@ def test_metrics_and_health_answer(app: Application) -> None:
     assert status == 200 and health["streaming"] is True
     table = app.qualified("items")
     wait_until(lambda: producer.metrics()[f'siphon_producer_packages_total{{table="{table}"}}'] >= 1, 5, "counted")
+    # The confirmed LSN is reported with the next status update, a moment after the ack.
+    wait_until(lambda: producer.metrics()["siphon_producer_last_acked_lsn"] > 0, 5, "LSN confirmed")
     metrics = producer.metrics()
     assert metrics[f'siphon_producer_events_total{{operation="insert",table="{table}"}}'] == 5
     assert metrics[f'siphon_producer_events_total{{operation="delete",table="{table}"}}'] == 1
