@@ -70,12 +70,23 @@ fi
 # the Makefile both provide them.
 mkdir -p "$ROOT/.dagster_home"
 ln -sfn ../dagster.yaml "$ROOT/.dagster_home/dagster.yaml"
-if ! grep -q 'DAGSTER_MODULE_NAME' "$VENV/bin/activate"; then
-  cat >> "$VENV/bin/activate" <<ACT
-# siphon
+cat > "$VENV/bin/siphon-env.sh" <<ENV
+# Written by scripts/bootstrap.sh; sourced by .venv/bin/activate.
 export DAGSTER_MODULE_NAME=siphon_dagster
 export DAGSTER_HOME="$ROOT/.dagster_home"
 export SIPHON_PG_BINDIR="$(pg_bindir)"
-ACT
+# Dagster's \`dagster dev\` hands its webserver its own code-location arguments, and the webserver
+# then also reads DAGSTER_MODULE_NAME and never starts; give \`dagster dev\` the module explicitly.
+dagster() {
+  if [ "\${1:-}" = dev ]; then
+    shift
+    env -u DAGSTER_MODULE_NAME "\$VIRTUAL_ENV/bin/dagster" dev -m siphon_dagster "\$@"
+  else
+    "\$VIRTUAL_ENV/bin/dagster" "\$@"
+  fi
+}
+ENV
+if ! grep -q 'siphon-env.sh' "$VENV/bin/activate"; then
+  printf '\n. "$VIRTUAL_ENV/bin/siphon-env.sh"\n' >> "$VENV/bin/activate"
 fi
 say "ready (.venv)"
