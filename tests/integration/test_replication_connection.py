@@ -181,9 +181,14 @@ def test_status_update_moves_the_slot_and_a_requested_reply_arrives(source):
         while reply is None and time.monotonic() < deadline:
             reply = next((item for item in replication.read_batch(1.0) if isinstance(item, Keepalive)), None)
         assert reply is not None and reply.wal_end >= commit.end_lsn
-        confirmed = source.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                                   (source.slot,))
-        assert parse_lsn(confirmed[0][0]) == commit.end_lsn
+        # A keepalive may leave before the walsender processed the update: poll the slot briefly.
+        confirmed = 0
+        while confirmed != commit.end_lsn and time.monotonic() < deadline:
+            rows = source.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                                  (source.slot,))
+            confirmed = parse_lsn(rows[0][0])
+            replication.read_batch(0.1)
+        assert confirmed == commit.end_lsn
 
 
 def test_answering_keepalives_keeps_the_stream_alive_past_the_sender_timeout(source):
