@@ -140,7 +140,7 @@ def _worker(destination: Destination, keys: multiprocessing.Queue, results: mult
         cpu = cpu_seconds_self()
         while (key := keys.get()) is not None:
             results.put(("partition", key, snapshot_partition(destination, key)))
-        results.put(("done", None, (peak_rss_mb_self(), cpu_seconds_self() - cpu)))
+        results.put(("done", None, (peak_rss_mb(os.getpid()), cpu_seconds_self() - cpu)))
     except BaseException as error:
         results.put(("failed", None, f"{type(error).__name__}: {error}"))
         raise
@@ -158,11 +158,10 @@ def cpu_seconds(pid: int, children: bool = False) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def peak_rss_mb_self() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
     return float("nan")
 
 
@@ -170,7 +169,7 @@ def snapshot_all(destination: Destination, block_ranges: list[BlockRange], worke
                  clickhouse_pid: int) -> Run:
     context = multiprocessing.get_context("spawn")
     keys, results = context.Queue(), context.Queue()
-    processes = [context.Process(target=_worker, args=(destination, keys, results), name=f"snapshot-{i}")
+    processes = [context.Process(target=_worker, args=(destination, keys, results), name=f"snapshot-{i}", daemon=True)
                  for i in range(workers)]
     for process in processes:
         process.start()
@@ -256,6 +255,7 @@ def main() -> int:
         reference = "psql \\copy" if psql_seconds <= psycopg_seconds else "psycopg copy.read()"
         copy_rate = rows / copy_seconds
 
+        server_rss_idle = rss_mb(clickhouse_pid)
         runs: dict[int, Run] = {}
         block_ranges = ranges_for(blocks, args.blocks_per_partition)
         for workers in (1, POOL_LIMIT):
@@ -309,6 +309,7 @@ def main() -> int:
             ("  peak RSS of its process (MB)", f"{whole.worker_peak_rss_mb:,.0f}", "< 1,024"),
         ]
     figures += [
+        ("RSS of siphon-clickhouse before the snapshots (MB)", f"{server_rss_idle:,.0f}", "reported"),
         ("peak RSS of siphon-clickhouse (MB), partitions", f"{server_rss:,.0f}", "reported"),
         ("  and after the whole-table partition", f"{server_rss_whole:,.0f}", "reported"),
         ("load average before, after (other processes)", f"{load_before:.1f}, {load_after:.1f}", f"{cores} cores"),

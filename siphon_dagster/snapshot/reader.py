@@ -27,7 +27,7 @@ from siphon_dagster.source import connect
 from siphon_dagster.targets.base import TableSchema
 
 log = get_logger("snapshot")
-CHUNK_BYTES = 8 * 1024 * 1024
+CHUNK_BYTES = 1 << 20  # small enough to keep PostgreSQL, this process and the target busy at once
 
 
 class NoFreeSlotError(RuntimeError):

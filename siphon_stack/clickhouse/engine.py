@@ -9,10 +9,11 @@ ClickHouse query context is, and each HTTP session keeps one connection of its o
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ Result = Any  # chdb's query_result: get_memview(), rows_read(), bytes_read(), r
 # The most data one chdb streaming insert is given (see Connection.insert), and the formats whose
 # rows each end at a line break (a line break inside a value is escaped), where an insert can be cut.
 SEGMENT_BYTES = 64 << 20
+READ_AHEAD_PIECES = 32  # pieces of the request body (up to 1 MiB each) read while a segment finishes
 _LINE_FORMATS = frozenset({"TabSeparated", "TSV", "TabSeparatedRaw", "TSVRaw", "LineAsString"})
 
 
@@ -128,37 +130,39 @@ class Connection:
         chdb holds every byte of a streaming insert, and about as much again, until the insert
         finishes, where a ClickHouse server holds a block at a time. So data in a format whose rows
         end at line breaks is cut, at a line break, into inserts of about `SEGMENT_BYTES` each:
-        memory stays bounded whatever the body's size. As with a ClickHouse server, whose large
-        inserts are written block by block, the rows of segments already finished stay written
-        when a later one fails.
+        memory stays bounded whatever the body's size. While a segment finishes (chdb converts and
+        writes it then), a thread reads on, so the client is not held up. As with a ClickHouse
+        server, whose large inserts are written block by block, the rows of segments already
+        finished stay written when a later one fails.
         """
         summary = InsertSummary()
         inserter = self._start_insert(statement, input_format)
         cut_at_lines = input_format in _LINE_FORMATS
         size = 0
-        try:
-            for piece in data:
-                if cut_at_lines and size + len(piece) >= SEGMENT_BYTES and (cut := piece.rfind(b"\n") + 1):
-                    inserter.append(piece[:cut])
+        with closing(_read_ahead(data) if cut_at_lines else (piece for piece in data)) as pieces:
+            try:
+                for piece in pieces:
+                    if cut_at_lines and size + len(piece) >= SEGMENT_BYTES and (cut := piece.rfind(b"\n") + 1):
+                        inserter.append(piece[:cut])
+                        summary.add(inserter.finish())
+                        inserter = None
+                        piece, size = piece[cut:], 0
+                    if piece:
+                        if inserter is None:
+                            inserter = self._start_insert(statement, input_format)
+                        inserter.append(piece)
+                        size += len(piece)
+                if inserter is not None:
                     summary.add(inserter.finish())
-                    inserter = None
-                    piece, size = piece[cut:], 0
-                if piece:
-                    if inserter is None:
-                        inserter = self._start_insert(statement, input_format)
-                    inserter.append(piece)
-                    size += len(piece)
-            if inserter is not None:
-                summary.add(inserter.finish())
-            return summary
-        except (ClickHouseError, ConnectionError):
-            if inserter is not None:
-                inserter.cancel()
-            raise
-        except Exception as error:
-            if inserter is not None:
-                inserter.cancel()
-            raise ClickHouseError.from_engine(error) from None
+                return summary
+            except (ClickHouseError, ConnectionError):
+                if inserter is not None:
+                    inserter.cancel()
+                raise
+            except Exception as error:
+                if inserter is not None:
+                    inserter.cancel()
+                raise ClickHouseError.from_engine(error) from None
 
     def _start_insert(self, statement: str, input_format: str) -> Any:
         try:
@@ -168,6 +172,45 @@ class Connection:
 
     def close(self) -> None:
         self.raw.close()
+
+
+_END = object()
+
+
+def _read_ahead(pieces: Iterable[bytes], depth: int = READ_AHEAD_PIECES) -> Iterator[bytes]:
+    """The pieces, read on a thread up to `depth` pieces ahead of the consumer. The thread is
+    stopped and joined before this generator ends, so the source is never read by two threads."""
+    ahead: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stopped = threading.Event()
+
+    def offer(item: Any) -> bool:
+        while not stopped.is_set():
+            try:
+                ahead.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for piece in pieces:
+                if not offer(piece):
+                    return
+            offer(_END)
+        except BaseException as error:  # handed to the consumer, which raises it
+            offer(error)
+
+    reader = threading.Thread(target=read, name="insert-read-ahead", daemon=True)
+    reader.start()
+    try:
+        while (item := ahead.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stopped.set()
+        reader.join()
 
 
 @dataclass
