@@ -1,6 +1,6 @@
 """Streaming apply: sustained rate beside the producer's on the same workload, and freshness under load.
 
-    python bench/streaming.py [--changes 200000] [--steady-rate 5000] [--steady-seconds 60]
+    python bench/streaming.py [--changes 500000] [--steady-rate 5000] [--steady-seconds 60]
                                [--flush-seconds 0.2] [--batch-wait-seconds 0.5]
 
 1. Sustained apply rate. An empty notes-shaped table (30 columns, ~750-byte rows) gets N changes
@@ -8,7 +8,7 @@
    while the producer's slot waits. The real producer (`python -m producer_service.cli run`) then
    publishes the backlog; its rate is timed from the moment it streams until the slot confirms the
    end of the WAL, as in bench/producer.py. It is stopped, and a `StreamConsumer` (local Spark,
-   batches of about 50,000 events) applies the whole stream into the embedded ClickHouse with
+   batches of the default batch_max_messages) applies the whole stream into the embedded ClickHouse with
    `stop_when_drained=True`. Apply events/s = events / wall time of that run; the Spark session is
    started before and its start-up is reported on its own line. The reference is the producer's
    rate: the apply must keep up with it, or lag grows without bound. Afterwards the `_current`
@@ -60,7 +60,7 @@ from siphon_dagster.targets.clickhouse import ClickHouseTarget
 APPLICATION = "bench.streaming"
 DATABASE = "bench"
 TABLE = TableConfig(name="public.notes")
-BATCH_EVENTS = 50_000  # events a backlog batch aims at
+BACKLOG_BATCH_MESSAGES = StreamingConfig().batch_max_messages  # what a user's runs take by default
 # Low-latency settings of the freshness run.
 FRESH_FLUSH_SECONDS = 0.2  # producer: flush_interval_seconds
 FRESH_STATUS_SECONDS = 0.2  # producer: status_interval_seconds
@@ -338,7 +338,7 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int) -
     finally:
         producer.stop()
     messages = stream_messages(stack.nats.url)
-    batch_messages = max(1, round(BATCH_EVENTS * messages / changes))
+    batch_messages = BACKLOG_BATCH_MESSAGES
     print(f"  published in {producer_seconds:.1f}s ({changes / producer_seconds:,.0f} events/s), {messages:,} "
           f"messages; applying with batch_max_messages={batch_messages}...", flush=True)
 
@@ -560,7 +560,7 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
         ("Spark session start-up (s)", f"{backlog.spark_start_seconds:.1f}", "not counted below"),
         ("apply: events applied", f"{backlog.batches.events:,}", f"= {backlog.changes:,}"),
         ("apply: stream messages, batch_max_messages", f"{backlog.messages:,}, {backlog.batch_messages}",
-         f"~{BATCH_EVENTS:,} events a batch"),
+         "the default"),
         ("apply: batches, first batch (s)", f"{len(reports)}, {first.latency_seconds if first else 0:.1f}", ""),
         ("apply events/s (whole run)", f"{backlog.apply_rate:,.0f}", f">= {backlog.producer_rate:,.0f}"),
         ("apply events/s (after the first batch)", f"{backlog.steady_apply_rate:,.0f}", ""),
@@ -599,7 +599,7 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--changes", type=int, default=200_000)
+    parser.add_argument("--changes", type=int, default=500_000)
     parser.add_argument("--steady-rate", type=int, default=5_000)
     parser.add_argument("--steady-seconds", type=int, default=60)
     parser.add_argument("--flush-seconds", type=float, default=FRESH_FLUSH_SECONDS,

@@ -13,22 +13,14 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
+from pyspark.sql import SparkSession
 
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_dagster.streaming.batch import ReceivedPackage
-from siphon_dagster.streaming.decode import (
-    INPUT_SCHEMA,
-    DecodeSpec,
-    PackageDecoder,
-    decoded_ddl,
-    value_column,
-)
-from siphon_dagster.streaming.fold import fold, with_version
+from siphon_dagster.streaming.decode import DecodeSpec, value_column
 from siphon_dagster.streaming.schema import SchemaTracker
 from siphon_dagster.streaming.source_rows import SourceRowReader
-from siphon_dagster.streaming.spark_session import shuffle_partitions
+from siphon_dagster.streaming.spark_plan import folded_rows, key_history
 from siphon_dagster.streaming.toast import ToastStats, fill_unchanged
 from siphon_dagster.targets.base import TableSchema, Target, change_batch_schema
 
@@ -40,17 +32,6 @@ class AppliedBatch:
     truncated_at: int | None
     toast: ToastStats
     seconds: dict[str, float] = field(default_factory=dict)  # schema, spark (decode+fold+collect), toast, apply
-
-
-def decoded_frame(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec) -> DataFrame:
-    """(seq, payload) rows spread over the executors, decoded there by `PackageDecoder`."""
-    data = pa.Table.from_arrays([pa.array([p.sequence for p in packages], pa.int64()),
-                                 pa.array([p.payload for p in packages], pa.binary())], schema=INPUT_SCHEMA)
-    frame = spark.createDataFrame(data)
-    partitions = min(len(packages), shuffle_partitions(spark))
-    if partitions > 1:
-        frame = frame.repartition(partitions)
-    return frame.mapInArrow(PackageDecoder(spec), decoded_ddl(len(spec.columns)))
 
 
 class BatchApplier:
@@ -76,14 +57,14 @@ class BatchApplier:
         spec = DecodeSpec(table.column_names, tuple(c.name for c in table.key_columns))
         truncates = [p.truncated_at for p in packages if p.truncated_at is not None]
         truncated_at = max(truncates) if truncates else None
-        decoded = decoded_frame(self.spark, packages, spec)
         started = time.perf_counter()
-        folded = _as_text(fold(decoded, len(spec.columns), truncated_at).toArrow(), table)
+        folded = _as_text(folded_rows(self.spark, packages, spec, truncated_at), table)
         seconds["spark"] = _lap(started)
 
         started = time.perf_counter()
         folded, toast = fill_unchanged(folded, table, self.target, self.source,
-                                       lambda keys, positions: _history(self.spark, decoded, keys, positions))
+                                       lambda keys, positions: key_history(self.spark, packages, spec, keys,
+                                                                           positions))
         rows = change_rows(folded, table)
         seconds["toast"] = _lap(started)
 
@@ -114,15 +95,6 @@ def _as_text(folded: pa.Table, table: TableSchema) -> pa.Table:
                              f"UTF-8 ({error}); Siphon needs a UTF-8 source database") from None
         folded = folded.set_column(folded.schema.get_field_index(name), name, text)
     return folded
-
-
-def _history(spark: SparkSession, decoded: DataFrame, keys: list[bytes], positions: list[int]) -> pa.Table:
-    """The decoded rows of these keys, with the value columns at `positions`; decodes the batch
-    again, which only unchanged TOASTed values in folded rows cost."""
-    wanted = spark.createDataFrame(pa.table({"_key": pa.array(keys, pa.binary())}))
-    rows = decoded.join(F.broadcast(wanted), "_key", "left_semi")
-    columns = ["_key", "_version", "_op", "_reset", "_origin", "_unchanged", *map(value_column, positions)]
-    return with_version(rows).select(*columns).toArrow()
 
 
 def _lap(started: float) -> float:

@@ -1,9 +1,10 @@
 """Decoding packages into change rows, as Spark work on the executors (`mapInArrow`).
 
 Input rows are (seq, payload): the JetStream stream sequence and the compressed package. Output rows
-are laid out by `decoded_schema`: one row per change of one primary key, with every column aligned
-to the batch's newest column list (positional names `c0..cN`, so any source column name is safe in
-Spark, whose names are case-insensitive):
+are laid out by `DECODED_SCHEMA`: one row per change of one primary key, its values kept as one
+TupleData aligned to the batch's newest column list. Spark moves, shuffles and sorts these rows; a
+row of 30 text columns costs it several times what one binary column does, so the values are split
+into columns (`split_values`, vectorized) only once the fold has left one row per key:
 
     _key        the primary key, encoded as a TupleData of the key values (NULL for TRUNCATE)
     _op         the pb.Operation value
@@ -13,12 +14,20 @@ Spark, whose names are case-insensitive):
                 primary-key update)
     _origin     on the new key's row of a primary-key update, the old key: its row supplies the
                 unchanged TOASTed values
-    _unchanged  positions of columns without a value: unchanged TOASTed values not sent, and columns
-                absent from the package's own (older) column list
-    c0..cN      PostgreSQL text output, NULL for NULL or no value
+    _row        TupleData of the values in the batch's column order; 'u' marks a column without a
+                value: an unchanged TOASTed value not sent, or a column absent from the package's
+                own (older) column list. NULL for TRUNCATE.
+
+`split_values` turns `_row` into `_unchanged` (those positions) and `c0..cN` (PostgreSQL text
+output, NULL for NULL or no value; positional names, so any source column name is safe).
 
 A primary-key update becomes a DELETE of the old key and a change of the new key, both with the
 event's version. Under REPLICA IDENTITY FULL the old row fills unchanged TOASTed values here.
+
+Most events need no Python per value: an INSERT's or a plain UPDATE's new tuple, a DELETE's old key,
+are the row as sent, and their keys are cut out of all of a package's tuples at once
+(siphon_core.wire.tuple_columns). Events that need values rearranged (an older column list, an
+UPDATE carrying its old row) take the per-value path.
 """
 
 from __future__ import annotations
@@ -31,34 +40,28 @@ import pyarrow as pa
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import decode_package
-from siphon_core.wire.tuple_data import UNCHANGED_TOAST, Value, decode_tuple, encode_tuple
+from siphon_core.wire.tuple_columns import MalformedTupleError, split_tuples
+from siphon_core.wire.tuple_data import UNCHANGED_TOAST, TupleDataError, Value, decode_tuple, encode_tuple
 
 INPUT_SCHEMA = pa.schema([pa.field("seq", pa.int64(), nullable=False), pa.field("payload", pa.binary())])
-_META_FIELDS = [
+DECODED_SCHEMA = pa.schema([
     pa.field("_key", pa.binary()),
     pa.field("_op", pa.int8()),
     pa.field("_lsn", pa.int64()),
     pa.field("_pos", pa.int64()),
     pa.field("_reset", pa.bool_()),
     pa.field("_origin", pa.binary()),
-    pa.field("_unchanged", pa.list_(pa.int32())),
-]
+    pa.field("_row", pa.binary()),
+])
+# The same layout as a Spark DDL string (what `mapInArrow` is given).
+DECODED_DDL = ("_key binary, _op tinyint, _lsn bigint, _pos bigint, _reset boolean, _origin binary, "
+               "_row binary")
 _INSERTS = (pb.INSERT, pb.SNAPSHOT)
 _MISSING = -1  # a column of the batch's list that an older package does not have
 
 
 def value_column(position: int) -> str:
     return f"c{position}"
-
-
-def decoded_schema(column_count: int) -> pa.Schema:
-    return pa.schema(_META_FIELDS + [pa.field(value_column(i), pa.binary()) for i in range(column_count)])
-
-
-def decoded_ddl(column_count: int) -> str:
-    """The same layout as a Spark DDL string (what `mapInArrow` is given)."""
-    meta = "_key binary, _op tinyint, _lsn bigint, _pos bigint, _reset boolean, _origin binary, _unchanged array<int>"
-    return ", ".join([meta] + [f"{value_column(i)} binary" for i in range(column_count)])
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,13 @@ class DecodeSpec:
     columns: tuple[str, ...]
     key_columns: tuple[str, ...]
 
+    @property
+    def key_positions(self) -> list[int]:
+        return [self.columns.index(name) for name in self.key_columns]
+
 
 class _Rows:
-    """Column-wise output of one package; values are gathered per row and transposed once."""
+    """Column-wise output of one package."""
 
     def __init__(self) -> None:
         self.keys: list[bytes | None] = []
@@ -79,33 +86,22 @@ class _Rows:
         self.positions: list[int] = []
         self.resets: list[bool] = []
         self.origins: list[bytes | None] = []
-        self.unchanged: list[list[int] | None] = []
-        self.values: list[Sequence[Value]] = []
+        self.rows: list[bytes | None] = []
 
     def add(self, key: bytes | None, op: int, event: pb.Event, reset: bool, origin: bytes | None,
-            values: list[Value]) -> None:
-        unchanged = None
-        if UNCHANGED_TOAST in values:
-            unchanged = [i for i, value in enumerate(values) if value is UNCHANGED_TOAST]
-            values = [None if value is UNCHANGED_TOAST else value for value in values]
+            row: bytes | None) -> None:
         self.keys.append(key)
         self.ops.append(op)
         self.lsns.append(event.commit_lsn)
         self.positions.append(event.position)
         self.resets.append(reset)
         self.origins.append(origin)
-        self.unchanged.append(unchanged)
-        self.values.append(values)
+        self.rows.append(row)
 
-    def batch(self, schema: pa.Schema, column_count: int) -> pa.RecordBatch:
-        columns = list(zip(*self.values, strict=True)) if self.values else [()] * column_count
-        arrays = [
-            pa.array(self.keys, pa.binary()), pa.array(self.ops, pa.int8()), pa.array(self.lsns, pa.int64()),
-            pa.array(self.positions, pa.int64()), pa.array(self.resets, pa.bool_()),
-            pa.array(self.origins, pa.binary()), pa.array(self.unchanged, pa.list_(pa.int32())),
-        ]
-        arrays += [pa.array(column, pa.binary()) for column in columns]
-        return pa.RecordBatch.from_arrays(arrays, schema=schema)
+    def arrays(self) -> list[pa.Array]:
+        return [pa.array(self.keys, pa.binary()), pa.array(self.ops, pa.int8()), pa.array(self.lsns, pa.int64()),
+                pa.array(self.positions, pa.int64()), pa.array(self.resets, pa.bool_()),
+                pa.array(self.origins, pa.binary()), pa.array(self.rows, pa.binary())]
 
 
 class PackageDecoder:
@@ -113,14 +109,13 @@ class PackageDecoder:
 
     def __init__(self, spec: DecodeSpec) -> None:
         self.spec = spec
-        self.schema = decoded_schema(len(spec.columns))
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for seq, payload in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
-                yield self.decode(seq, payload)
+                yield from self.decode(seq, payload)
 
-    def decode(self, seq: int, payload: bytes) -> pa.RecordBatch:
+    def decode(self, seq: int, payload: bytes) -> Iterator[pa.RecordBatch]:
         where = f"stream sequence {seq}"
         package = decode_package(payload, where)
         if package.HasField("chunk"):
@@ -128,15 +123,47 @@ class PackageDecoder:
         if package.value_encoding != pb.PGOUTPUT_TUPLE:
             raise ValueError(f"{where}: value encoding {package.value_encoding} is not supported by this consumer")
         align = self._alignment(package, where)
-        key_positions = [self.spec.columns.index(name) for name in self.spec.key_columns]
-        rows = _Rows()
+        key_positions = self.spec.key_positions
+        slow = _Rows()
+        fast: list[pb.Event] = []
+        fast_rows: list[bytes] = []
         for event in package.events:
-            try:
-                self._event(rows, event, align, key_positions)
-            except ValueError as error:  # TupleDataError included
-                raise ValueError(f"{where}, table {package.schema}.{package.table}, event at LSN "
-                                 f"{naming.format_lsn(event.commit_lsn)} position {event.position}: {error}") from None
-        return rows.batch(self.schema, len(self.spec.columns))
+            op = event.operation
+            if align is None and (op in _INSERTS or (op == pb.UPDATE and not event.HasField("old_row"))):
+                fast.append(event)
+                fast_rows.append(event.new_row.tuple)
+            elif align is None and op == pb.DELETE and event.HasField("old_row"):
+                fast.append(event)
+                fast_rows.append(event.old_row.tuple)
+            else:
+                try:
+                    self._event(slow, event, align, key_positions)
+                except ValueError as error:  # TupleDataError included
+                    raise _event_error(where, package, event, error) from None
+        if fast:
+            yield self._fast_batch(fast, fast_rows, key_positions, where, package)
+        if slow.ops:
+            yield pa.RecordBatch.from_arrays(slow.arrays(), schema=DECODED_SCHEMA)
+
+    def _fast_batch(self, events: list[pb.Event], rows: list[bytes], key_positions: list[int], where: str,
+                    package: pb.Package) -> pa.RecordBatch:
+        """Events whose row is a tuple as sent: every key cut out at once, no value touched."""
+        tuples = pa.array(rows, pa.binary())
+        try:
+            located = split_tuples(tuples, len(self.spec.columns))
+        except MalformedTupleError as error:
+            raise _event_error(where, package, events[error.row], TupleDataError(error.detail)) from None
+        keys = located.key(key_positions)
+        ops = [event.operation for event in events]
+        if keys.null_count:
+            row = next(i for i, valid in enumerate(keys.is_valid().to_pylist()) if not valid)
+            raise _event_error(where, package, events[row], ValueError(_missing_key_message(ops[row])))
+        count = len(events)
+        resets = [op != pb.UPDATE for op in ops]
+        arrays = [keys, pa.array(ops, pa.int8()), pa.array([e.commit_lsn for e in events], pa.int64()),
+                  pa.array([e.position for e in events], pa.int64()), pa.array(resets, pa.bool_()),
+                  pa.nulls(count, pa.binary()), tuples]
+        return pa.RecordBatch.from_arrays(arrays, schema=DECODED_SCHEMA)
 
     def _alignment(self, package: pb.Package, where: str) -> list[int] | None:
         """Package column index for each output column, or None when the lists are the same."""
@@ -152,21 +179,18 @@ class PackageDecoder:
     def _event(self, rows: _Rows, event: pb.Event, align: list[int] | None, key_positions: list[int]) -> None:
         op = event.operation
         if op == pb.TRUNCATE:
-            rows.add(None, op, event, True, None, [None] * len(self.spec.columns))
+            rows.add(None, op, event, True, None, None)
             return
         new = _values(event.new_row.tuple, align) if op != pb.DELETE else None
         old = _values(event.old_row.tuple, align) if event.HasField("old_row") else None
         if old is not None and event.old_row_is_key and any(old[i] is None for i in key_positions):
-            # The replica identity is an index other than the primary key: the old key does not
-            # say which row changed, and guessing would tombstone the wrong one.
-            raise ValueError("the old key lacks primary key values; set REPLICA IDENTITY DEFAULT (the primary "
-                             "key) or FULL on the source table")
+            raise ValueError(_missing_key_message(op))
         if op in _INSERTS:
-            rows.add(_key(new, key_positions), op, event, True, None, new)  # type: ignore[arg-type]
+            rows.add(_key(new, key_positions), op, event, True, None, encode_tuple(new))  # type: ignore[arg-type]
         elif op == pb.DELETE:
             if old is None:
                 raise ValueError("a DELETE without its old key")
-            rows.add(_key(old, key_positions), op, event, True, None, old)
+            rows.add(_key(old, key_positions), op, event, True, None, encode_tuple(old))
         elif op == pb.UPDATE:
             self._update(rows, event, new, old, key_positions)  # type: ignore[arg-type]
         else:
@@ -184,10 +208,37 @@ class PackageDecoder:
         key = _key(new, key_positions)
         old_key = _key(old, key_positions) if old is not None else key
         if old_key == key:
-            rows.add(key, pb.UPDATE, event, False, None, new)
+            rows.add(key, pb.UPDATE, event, False, None, encode_tuple(new))
             return
-        rows.add(old_key, pb.DELETE, event, True, None, old)  # type: ignore[arg-type]
-        rows.add(key, pb.UPDATE, event, True, old_key, new)
+        rows.add(old_key, pb.DELETE, event, True, None, encode_tuple(old))  # type: ignore[arg-type]
+        rows.add(key, pb.UPDATE, event, True, old_key, encode_tuple(new))
+
+
+def split_values(rows: pa.Table, column_count: int, positions: Sequence[int] | None = None) -> pa.Table:
+    """`rows` with `_row` replaced by `_unchanged` and the value columns `c<i>` (all, or those at
+    `positions`), as binary; on the driver, after the fold."""
+    index = rows.schema.get_field_index("_row")
+    located = split_tuples(rows.column(index), column_count)
+    wanted = range(column_count) if positions is None else positions
+    rows = rows.remove_column(index)
+    rows = rows.append_column("_unchanged", located.unchanged())
+    for position in wanted:
+        rows = rows.append_column(value_column(position), located.values(position).cast(pa.binary()))
+    return rows
+
+
+def _missing_key_message(op: int) -> str:
+    if op == pb.UPDATE:
+        return "a primary key value is an unchanged TOASTed value and no old key was sent"
+    # The replica identity is an index other than the primary key: the old key does not say which
+    # row changed, and guessing would tombstone the wrong one.
+    return ("the old key lacks primary key values; set REPLICA IDENTITY DEFAULT (the primary key) or FULL "
+            "on the source table")
+
+
+def _event_error(where: str, package: pb.Package, event: pb.Event, error: Exception) -> ValueError:
+    return ValueError(f"{where}, table {package.schema}.{package.table}, event at LSN "
+                      f"{naming.format_lsn(event.commit_lsn)} position {event.position}: {error}")
 
 
 def _values(data: bytes, align: list[int] | None) -> list[Value]:

@@ -68,6 +68,9 @@ def get_spark_session(config: SparkConfig | None = None) -> SparkSession:
         started = time.perf_counter()
         remote = remote_url(config)
         _session = _connect(remote, config) if remote else _start_driver(config)
+        from siphon_dagster.streaming.spark_plan import warm_up  # it builds on this module
+
+        warm_up(_session)
         _log.info("spark session ready", mode="connect" if remote else config.master,
                   seconds=round(time.perf_counter() - started, 2))
         return _session
@@ -79,6 +82,11 @@ def stop_spark_session() -> None:
         if _session is not None:
             _session.stop()
             _session = None
+
+
+def is_remote(spark: SparkSession) -> bool:
+    """A Spark Connect session (its DataFrames have no RDD side)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 def shuffle_partitions(spark: SparkSession) -> int:
