@@ -104,6 +104,24 @@ class _Rows:
                 pa.array(self.origins, pa.binary()), pa.array(self.rows, pa.binary())]
 
 
+class _FastRows:
+    """Events whose row is one of their tuples as sent, gathered in one pass."""
+
+    def __init__(self) -> None:
+        self.events: list[pb.Event] = []
+        self.ops: list[int] = []
+        self.lsns: list[int] = []
+        self.positions: list[int] = []
+        self.rows: list[bytes] = []
+
+    def add(self, event: pb.Event, op: int, row: bytes) -> None:
+        self.events.append(event)
+        self.ops.append(op)
+        self.lsns.append(event.commit_lsn)
+        self.positions.append(event.position)
+        self.rows.append(row)
+
+
 class PackageDecoder:
     """Turns one package into change rows aligned to `spec` (callable on executors, picklable)."""
 
@@ -125,44 +143,39 @@ class PackageDecoder:
         align = self._alignment(package, where)
         key_positions = self.spec.key_positions
         slow = _Rows()
-        fast: list[pb.Event] = []
-        fast_rows: list[bytes] = []
+        fast = _FastRows()
         for event in package.events:
             op = event.operation
             if align is None and (op in _INSERTS or (op == pb.UPDATE and not event.HasField("old_row"))):
-                fast.append(event)
-                fast_rows.append(event.new_row.tuple)
+                fast.add(event, op, event.new_row.tuple)
             elif align is None and op == pb.DELETE and event.HasField("old_row"):
-                fast.append(event)
-                fast_rows.append(event.old_row.tuple)
+                fast.add(event, op, event.old_row.tuple)
             else:
                 try:
                     self._event(slow, event, align, key_positions)
                 except ValueError as error:  # TupleDataError included
                     raise _event_error(where, package, event, error) from None
-        if fast:
-            yield self._fast_batch(fast, fast_rows, key_positions, where, package)
+        if fast.events:
+            yield self._fast_batch(fast, key_positions, where, package)
         if slow.ops:
             yield pa.RecordBatch.from_arrays(slow.arrays(), schema=DECODED_SCHEMA)
 
-    def _fast_batch(self, events: list[pb.Event], rows: list[bytes], key_positions: list[int], where: str,
+    def _fast_batch(self, fast: _FastRows, key_positions: list[int], where: str,
                     package: pb.Package) -> pa.RecordBatch:
         """Events whose row is a tuple as sent: every key cut out at once, no value touched."""
-        tuples = pa.array(rows, pa.binary())
+        tuples = pa.array(fast.rows, pa.binary())
         try:
-            located = split_tuples(tuples, len(self.spec.columns))
+            located = split_tuples(tuples, len(self.spec.columns))  # every row checked, not only its key
         except MalformedTupleError as error:
-            raise _event_error(where, package, events[error.row], TupleDataError(error.detail)) from None
+            raise _event_error(where, package, fast.events[error.row], TupleDataError(error.detail)) from None
         keys = located.key(key_positions)
-        ops = [event.operation for event in events]
         if keys.null_count:
-            row = next(i for i, valid in enumerate(keys.is_valid().to_pylist()) if not valid)
-            raise _event_error(where, package, events[row], ValueError(_missing_key_message(ops[row])))
-        count = len(events)
-        resets = [op != pb.UPDATE for op in ops]
-        arrays = [keys, pa.array(ops, pa.int8()), pa.array([e.commit_lsn for e in events], pa.int64()),
-                  pa.array([e.position for e in events], pa.int64()), pa.array(resets, pa.bool_()),
-                  pa.nulls(count, pa.binary()), tuples]
+            row = keys.is_null().to_pylist().index(True)
+            raise _event_error(where, package, fast.events[row], ValueError(_missing_key_message(fast.ops[row])))
+        resets = [op != pb.UPDATE for op in fast.ops]
+        arrays = [keys, pa.array(fast.ops, pa.int8()), pa.array(fast.lsns, pa.int64()),
+                  pa.array(fast.positions, pa.int64()), pa.array(resets, pa.bool_()),
+                  pa.nulls(len(fast.events), pa.binary()), tuples]
         return pa.RecordBatch.from_arrays(arrays, schema=DECODED_SCHEMA)
 
     def _alignment(self, package: pb.Package, where: str) -> list[int] | None:
