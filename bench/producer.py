@@ -45,7 +45,7 @@ APPLICATION = "bench.producer"
 WORKLOAD = """
 do $$
 declare
-    total bigint := 0; i integer := 0; k integer; n bigint; next_id bigint;
+    total bigint := 0; i bigint := 0; k integer; n bigint; next_id bigint;
 begin
     select coalesce(max(id), 0) + 1 into next_id from notes;
     while total < {changes} loop
