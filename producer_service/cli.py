@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 
@@ -22,6 +23,15 @@ log = logs.get_logger("producer")
 
 # Failures worth a reconnect: the source or the queue went away for a while.
 _TRANSIENT = (psycopg.OperationalError, ReplicationError, QueueError, ConnectionError, OSError)
+
+
+class _NatsClientLines(logging.Handler):
+    """nats-py logs every failed reconnect attempt with a traceback, several a second while NATS is
+    away; one structured line each keeps the reason the producer stops findable."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        log.warning(record.getMessage(), source="nats-py", error=repr(error) if error is not None else "")
 
 
 async def run_until_stopped(config: SiphonConfig) -> int:
@@ -69,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logs.configure(args.log_level)
+    nats_logger = logging.getLogger("nats")
+    nats_logger.handlers[:] = [_NatsClientLines()]
+    nats_logger.propagate = False
     try:
         config = load_config(args.config)
     except ConfigError as error:

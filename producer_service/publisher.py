@@ -150,7 +150,9 @@ class Publisher:
 
     async def _run(self) -> None:
         expected: str | None = None  # the stream's last message id we know of (None: first of a round)
-        last_progress = time.monotonic()
+        # When the current run of failures began: the budget counts from there, not from the last ack,
+        # or a producer idle for longer than the budget would give up at its first failed publish.
+        failing_since: float | None = None
         delay = 0.1
         try:
             while True:
@@ -178,7 +180,7 @@ class Publisher:
                 if error is None:
                     self._in_flight.popleft()
                     self._done(head)
-                    last_progress = time.monotonic()
+                    failing_since = None
                     delay = 0.1
                     continue
                 # The chain broke at `head`: what was sent after it settles (stored only if `head`
@@ -194,7 +196,9 @@ class Publisher:
                 expected = None
                 if _is_broken_chain(error):
                     continue  # someone else's message came in between: no need to wait
-                if time.monotonic() - last_progress > self._retry_seconds:
+                if failing_since is None:
+                    failing_since = head.sent_at
+                if time.perf_counter() - failing_since > self._retry_seconds:
                     raise QueueError(f"publishing package {head.package.message_id} to {head.subject} failed for "
                                      f"{self._retry_seconds:.0f}s: {error!r}")
                 log.warning("publish failed; sending again from the first unacknowledged package",

@@ -14,6 +14,7 @@ import contextlib
 import time
 from typing import Any
 
+import nats.errors
 import psycopg
 
 from producer_service import ownership
@@ -36,6 +37,7 @@ HEARTBEAT_PREFIX = "siphon.heartbeat"
 log = get_logger("producer")
 
 _GAUGE_SECONDS = 0.5
+_PUBLISH_TIMEOUT_SECONDS = 5.0
 _STATUS_MIN_SECONDS = 0.1
 
 
@@ -123,20 +125,49 @@ class ProducerService:
             self._queue = JetStreamQueue(config.queue.url, StreamSettings(
                 config.application_identifier, config.queue.duplicate_window_seconds, config.queue.replicas,
                 config.queue.max_message_bytes), name=f"siphon-producer {config.application_identifier}")
-            await self._queue.connect()
-            await self._queue.ensure_stream()
+            await self._connect_queue(self._queue)
+            budget = config.producer.publish_retry_seconds
+            # An ack that may take longer than the whole budget would leave no room for a retry.
             self._publisher = Publisher(self._queue, self.metrics, self._on_acked,
-                                        config.producer.max_unacked_packages)
+                                        config.producer.max_unacked_packages,
+                                        publish_timeout_seconds=min(_PUBLISH_TIMEOUT_SECONDS, budget / 3),
+                                        retry_seconds=budget)
             await self._stream(control)
         finally:
-            # After a failure nothing of this connection may reach the stream once a new one started.
-            if self._publisher is not None:
-                await self._publisher.close()
-            if self._queue is not None:
-                await self._queue.close()
-            control.close()
-            if health_server is not None:
-                health_server.stop()
+            # Every step runs even when one before it fails: the control connection holds the
+            # application's lock, and leaking it would lock out the next attempt.
+            try:
+                # After a failure nothing of this connection may reach the stream once a new one started.
+                if self._publisher is not None:
+                    await self._publisher.close()
+                if self._queue is not None:
+                    await _close_quietly(self._queue)
+            finally:
+                control.close()
+                if health_server is not None:
+                    health_server.stop()
+
+    async def _connect_queue(self, queue: JetStreamQueue) -> None:
+        """Connects and creates or updates the stream within the publish retry budget: the NATS
+        client retries an unreachable server forever, and the producer must instead give up."""
+        budget = self.config.producer.publish_retry_seconds
+        connected = False
+
+        async def connect() -> None:
+            nonlocal connected
+            await queue.connect()
+            connected = True
+            await queue.ensure_stream()
+
+        try:
+            await asyncio.wait_for(connect(), budget)
+        except TimeoutError:
+            what = "did not answer the stream's set-up" if connected else "did not accept a connection"
+            raise QueueError(f"NATS at {queue.url} {what} within {budget:g}s "
+                             "(producer.publish_retry_seconds)") from None
+        except nats.errors.Error as error:  # e.g. JetStream not ready on a server that just started
+            raise QueueError(f"cannot create or update the stream {queue.settings.stream} at {queue.url}: "
+                             f"{error!r}") from None
 
     async def _stream(self, control: psycopg.Connection[Any]) -> None:
         replication = ReplicationConnection(self.config.source.dsn,
@@ -271,3 +302,11 @@ class ProducerService:
             "in_flight_packages": self._publisher.pending if self._publisher is not None else 0,
             "buffered_events": self._buffered_events,  # as of the last gauge update (this runs in another thread)
         }
+
+
+async def _close_quietly(queue: JetStreamQueue) -> None:
+    """Closes a connection being dropped; a failure to close (NATS is away) must not hide why."""
+    try:
+        await queue.close()
+    except Exception as error:  # nats-py raises several unrelated types here
+        log.warning("closing the NATS connection failed", url=queue.url, error=repr(error))

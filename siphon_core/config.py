@@ -55,6 +55,9 @@ class ProducerConfig(_Model):
     status_interval_seconds: float = Field(default=5.0, gt=0)
     max_unacked_packages: int = Field(default=64, ge=1)
     connect_retries: int = Field(default=8, ge=0)
+    # How long the queue may fail every publish (or refuse a connection) before the producer drops
+    # that connection; it then reconnects up to `connect_retries` times and exits 1.
+    publish_retry_seconds: float = Field(default=120.0, gt=0)
     # "exit" (default) or "wait" when another producer holds this application's lock.
     on_lock_held: str = "exit"
     slot_name: str | None = None

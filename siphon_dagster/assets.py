@@ -88,6 +88,10 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         source_resource: PostgresResource = context.resources.source
         with source_resource.connect() as connection:
             table = source.table_schema(connection, spec.table)
+            # A snapshot may be the first to meet a column added at the source: rows outside its
+            # ranges must get the value PostgreSQL gave them, as the stream's schema step does.
+            existing = source.existing_rows_values(connection, table.schema, table.table,
+                                                   [c for c in table.columns if not c.primary_key])
         destination = getattr(context.resources, resource_key).open_target()
         progress = SnapshotProgress()
         consistent_points: list[str] = []
@@ -97,7 +101,10 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
                              f"{p.rows / p.seconds:,.0f} rows/s")
 
         try:
-            destination.ensure_table(table)
+            change = destination.ensure_table(table, source.backfill(existing))
+            for name in change.added_columns:
+                if not existing[name].known:
+                    context.log.warning(existing[name].resync_warning(table.schema, table.table, target))
             dsn = source_resource.snapshot_source_dsn
             for block_range in ranges:
                 with exported_snapshot(dsn, on_wait=context.log.warning) as slot:

@@ -43,21 +43,27 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
         from siphon_dagster.streaming.source_rows import SourceRowReader
 
         def record(report: BatchReport) -> None:
+            metadata = {
+                "applied_lsn": report.applied_lsn_text,
+                "rows_by_operation": dg.MetadataValue.json(report.rows_by_operation),
+                "dagster/row_count": report.rows_applied,
+                "events": report.events,
+                "batch_latency_seconds": round(report.latency_seconds, 3),
+                "lag_seconds": round(report.lag_newest_seconds, 3),
+                "lag_oldest_seconds": round(report.lag_oldest_seconds, 3),
+                "pending_messages": report.pending,
+                "first_sequence": report.first_sequence,
+                "last_sequence": report.last_sequence,
+            }
+            if report.warnings:
+                # Beside the run log, so the asset's history shows which batch needs an operator.
+                metadata["warnings"] = dg.MetadataValue.md("\n".join(f"- {w}" for w in report.warnings))
+                for warning in report.warnings:
+                    context.log.warning(warning)
             context.log_event(dg.AssetMaterialization(
                 asset_key=asset_key,
                 description=f"applied stream sequences {report.first_sequence}..{report.last_sequence}",
-                metadata={
-                    "applied_lsn": report.applied_lsn_text,
-                    "rows_by_operation": dg.MetadataValue.json(report.rows_by_operation),
-                    "dagster/row_count": report.rows_applied,
-                    "events": report.events,
-                    "batch_latency_seconds": round(report.latency_seconds, 3),
-                    "lag_seconds": round(report.lag_newest_seconds, 3),
-                    "lag_oldest_seconds": round(report.lag_oldest_seconds, 3),
-                    "pending_messages": report.pending,
-                    "first_sequence": report.first_sequence,
-                    "last_sequence": report.last_sequence,
-                },
+                metadata=metadata,
             ))
 
         destination = getattr(context.resources, resource_key).open_target()

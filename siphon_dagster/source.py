@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 
+from siphon_core import naming
 from siphon_core.config import TableConfig
 from siphon_core.session import connection_options
 from siphon_dagster.targets.base import SourceColumn, TableSchema
@@ -25,6 +27,22 @@ join pg_type t on t.oid = a.atttypid
 left join pg_index pk on pk.indrelid = c.oid and pk.indisprimary
 where n.nspname = %s and c.relname = %s and a.attnum > 0 and not a.attisdropped
 order by a.attnum
+"""
+
+
+# What PostgreSQL gave the rows that existed when a column was added. A non-volatile DEFAULT is
+# kept once in the catalog (attmissingval, a one-element array of the column's type) instead of
+# being written into every row, so no change reaches the stream; a volatile DEFAULT, an identity
+# or a generated column rewrites the table, also without any change in the stream.
+_ADDED_COLUMNS_QUERY = """
+select a.attname, a.atttypid::int, a.atthasmissing, a.attmissingval::text, a.attgenerated::text,
+       a.attidentity::text, pg_get_expr(d.adbin, d.adrelid), case when t.typtype = 'd' then t.typdefault end
+from pg_attribute a
+join pg_class c on c.oid = a.attrelid
+join pg_namespace n on n.oid = c.relnamespace
+join pg_type t on t.oid = a.atttypid
+left join pg_attrdef d on d.adrelid = a.attrelid and d.adnum = a.attnum
+where n.nspname = %s and c.relname = %s and a.attnum > 0 and not a.attisdropped and a.attname = any(%s)
 """
 
 
@@ -56,6 +74,92 @@ def table_schema(connection: psycopg.Connection[Any], table: TableConfig) -> Tab
 
 
 @dataclass(frozen=True)
+class ExistingRowsValue:
+    """The value a column holds in the rows that existed when it was added, as far as the catalog tells."""
+
+    column: str
+    known: bool
+    text: str | None = None  # PostgreSQL's text output of the value (None: NULL), when known
+    reason: str = ""  # when not known: what PostgreSQL did that the stream does not show
+
+    @staticmethod
+    def null(column: str) -> ExistingRowsValue:
+        return ExistingRowsValue(column, known=True)
+
+    def resync_warning(self, schema: str, table: str, target: str) -> str:
+        """What an operator reads when the column was added at `target` without these rows' values."""
+        return (f"table {schema}.{table}: column {self.column!r} was added at the source, and what the rows that "
+                f"existed before it hold in it is not in the stream: {self.reason}. At target {target} those rows "
+                f"read NULL in {self.column!r} until the table is resynced (job "
+                f"{naming.resync_job_name(schema, table)}).")
+
+
+def backfill(values: Mapping[str, ExistingRowsValue]) -> dict[str, str]:
+    """The known values that are not NULL, as `Target.ensure_table` takes them."""
+    return {name: value.text for name, value in values.items() if value.known and value.text is not None}
+
+
+def existing_rows_values(connection: psycopg.Connection[Any], schema: str, table: str,
+                         columns: Sequence[SourceColumn]) -> dict[str, ExistingRowsValue]:
+    """For columns added to a table, the value its older rows hold, which no change event carried.
+
+    Known when the catalog keeps it (`attmissingval`, rendered by the type's output function under
+    the connection's pinned settings, as the stream and COPY render values) or when the column has no
+    default at all (NULL). Unknown when PostgreSQL rewrote the table to fill it (volatile DEFAULT,
+    identity, generated column), or when a rewrite since (VACUUM FULL, CLUSTER, a type change)
+    dropped the catalog's copy: then only a resync brings those rows' values.
+    """
+    wanted = {c.name: c for c in columns}
+    rows = connection.execute(_ADDED_COLUMNS_QUERY, (schema, table, list(wanted))).fetchall()
+    found = {row[0]: row for row in rows}
+    values = {}
+    for name, column in wanted.items():
+        row = found.get(name)
+        if row is None:
+            values[name] = ExistingRowsValue(name, False, reason="it is no longer in the source table")
+            continue
+        _, type_oid, has_missing, missing, generated, identity, default, domain_default = row
+        if type_oid != column.type_oid:
+            values[name] = ExistingRowsValue(name, False, reason=f"its type changed since to oid {type_oid}")
+        elif has_missing:
+            values[name] = ExistingRowsValue(name, True, single_element_text(missing))
+        elif generated:
+            values[name] = ExistingRowsValue(name, False, reason=f"it is generated (GENERATED ALWAYS AS {default} "
+                                                                 "STORED): PostgreSQL computed it for every row")
+        elif identity:
+            values[name] = ExistingRowsValue(name, False, reason="it is an identity column: PostgreSQL numbered "
+                                                                 "every row")
+        elif default is not None or domain_default is not None:
+            values[name] = ExistingRowsValue(name, False, reason=(
+                f"it has DEFAULT {default if default is not None else domain_default} and the catalog keeps no "
+                "value for older rows: a volatile default was written into every row (or a table rewrite "
+                "since dropped the catalog's copy)"))
+        else:
+            values[name] = ExistingRowsValue.null(name)
+    return values
+
+
+def single_element_text(array_text: str) -> str:
+    """The element of a one-element array in PostgreSQL's text form, e.g. `{7}`, `{"a \\"b\\""}`.
+
+    array_out quotes an element holding whitespace, quotes, backslashes, braces or the delimiter
+    (and an empty or NULL-spelled one) and escapes `"` and `\\` inside; unquoted, it is verbatim.
+    """
+    text = array_text.split("=", 1)[1] if array_text.startswith("[") else array_text  # [lo:hi]= bounds
+    inner = text[1:-1]
+    if not inner.startswith('"'):
+        return inner
+    out, escaped = [], False
+    for char in inner[1:-1]:
+        if escaped or char != "\\":
+            out.append(char)
+            escaped = False
+        else:
+            escaped = True
+    return "".join(out)
+
+
+@dataclass(frozen=True)
 class TableSize:
     blocks: int
     block_size: int
@@ -78,9 +182,7 @@ def table_size(connection: psycopg.Connection[Any], table: TableConfig) -> Table
 
 
 def current_lsn(connection: psycopg.Connection[Any]) -> int:
-    from siphon_core.naming import parse_lsn
-
     text = connection.execute(
         "select case when pg_is_in_recovery() then pg_last_wal_replay_lsn() else pg_current_wal_lsn() end::text"
     ).fetchone()[0]
-    return parse_lsn(text)
+    return naming.parse_lsn(text)

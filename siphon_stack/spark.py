@@ -10,6 +10,8 @@ from pathlib import Path
 
 from siphon_stack.process import StackError, port_accepts, start_process, stop_pid, wait_until
 
+CORES = 2
+
 
 def spark_home() -> Path:
     import pyspark
@@ -48,8 +50,12 @@ class SparkConnectServer:
         argv = [
             str(home / "bin" / "spark-submit"),
             "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-            "--master", "local[2]",
+            "--master", f"local[{CORES}]",
             "--driver-memory", "2g",
+            # Micro-batches are small: one shuffle partition per core, as a local driver has, not
+            # Spark's default 200 (each a task of Python workers, seconds per batch on two cores).
+            "--conf", f"spark.sql.shuffle.partitions={CORES}",
+            "--conf", f"spark.default.parallelism={CORES}",
             "--conf", f"spark.connect.grpc.binding.port={self.port}",
             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
             "--conf", "spark.driver.host=127.0.0.1",

@@ -12,11 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from psycopg import sql
 
 from siphon_stack.nats import NatsServer
 from siphon_stack.postgres import PostgresServer, find_bindir
 from siphon_stack.process import free_port, port_accepts, start_process, stop_pid, wait_until
 from siphon_stack.snowflake import FakesnowServer
+from tests.helpers.application import Application
+from tests.helpers.producer import execute
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +91,19 @@ def snowflake_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         yield server.environment()
     finally:
         stop_pid(pid)
+
+
+@pytest.fixture
+def app(postgres_dsn: str, nats_url: str, unique_name: str, tmp_path: Path) -> Iterator[Application]:
+    """A producer application of this test's own: schema, application identifier, slot and stream."""
+    application = Application(postgres_dsn, nats_url, unique_name, unique_name, tmp_path)
+    execute(postgres_dsn, sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
+    try:
+        yield application
+    finally:
+        for process in application.producers:
+            print(f"--- log of {process.config_path.name}\n{process.log()}")  # shown when the test fails
+        application.close()
 
 
 @pytest.fixture

@@ -165,9 +165,11 @@ class StreamConsumer:
             await message.in_progress()  # keeps JetStream from redelivering them while we wait
         timings: dict[str, float] = {"pull": round(time.perf_counter() - pulled_at, 4)}
         applied: AppliedBatch | None = None
+        warnings: list[str] = []
         if packages:
             applied, rejected = await self.strategy.apply(packages, by_sequence)
             dead_lettered += rejected
+            warnings = self.applier.schemas.take_warnings()
         done = [s for p in packages for s in p.sequences] + self._assembler.take_abandoned()
         started = time.perf_counter()
         await _ack([by_sequence[s] for s in done if s in by_sequence and s not in dead_lettered])
@@ -177,14 +179,15 @@ class StreamConsumer:
         if applied is not None:
             timings.update(applied.seconds)
         return self._report(messages, packages, applied, dead_lettered, pulled_at, timings,
-                            await self._pending())
+                            await self._pending(), warnings)
 
     async def _pending(self) -> int:
         """Messages still to apply; held slices count as applied-later, not as pending work."""
         return max(0, await self.queue.pending(self.durable) - len(self._held))
 
     def _report(self, messages: Sequence[Msg], packages: Sequence[ReceivedPackage], applied: AppliedBatch | None,
-                dead_lettered: list[int], pulled_at: float, timings: dict[str, float], pending: int) -> BatchReport:
+                dead_lettered: list[int], pulled_at: float, timings: dict[str, float], pending: int,
+                warnings: list[str]) -> BatchReport:
         sequences = [m.metadata.sequence.stream for m in messages]
         applied_packages = [p for p in packages if p.sequence not in dead_lettered]
         operations: dict[str, int] = {}
@@ -204,7 +207,7 @@ class StreamConsumer:
             lag_newest_seconds=(now_us - max(commit_times)) / 1e6 if commit_times else 0.0,
             pending=pending, dead_lettered=tuple(dead_lettered),
             unchanged_values_filled=applied.toast.total if applied is not None else 0,
-            seconds=timings,
+            seconds=timings, warnings=tuple(warnings),
         )
 
 

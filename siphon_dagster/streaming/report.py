@@ -25,6 +25,8 @@ class BatchReport:
     dead_lettered: tuple[int, ...] = ()  # stream sequences moved to the dead-letter subject
     unchanged_values_filled: int = 0  # unchanged TOASTed values filled (batch, target or source)
     seconds: dict[str, float] = field(default_factory=dict)  # pull, schema, spark, toast, apply, ack
+    # What an operator must act on, e.g. rows that predate an added column need a resync.
+    warnings: tuple[str, ...] = ()
 
     @property
     def applied_lsn_text(self) -> str:

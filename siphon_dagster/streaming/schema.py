@@ -6,6 +6,12 @@ aligned to it by name, their missing columns filled like unchanged TOASTed value
 ensured at the target once: an added column is added there and filled from then on; a dropped
 column stops being filled and stays at the target; a type the target cannot follow, or a new
 primary key, stops the table's stream.
+
+Rows that predate an added column get no change event for it, yet PostgreSQL may have given them a
+value (ADD COLUMN ... DEFAULT). The source catalog tells which (SourceRowReader.existing_rows_values);
+the target adds the column holding that value. When the catalog cannot tell (a volatile default,
+an identity or generated column: PostgreSQL rewrote the table), the column is added as NULL and a
+warning names the table, the column and the resync that repairs it (`take_warnings`).
 """
 
 from __future__ import annotations
@@ -13,10 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from siphon_core import naming
+from siphon_core.logs import get_logger
 from siphon_core.wire import siphon_pb2 as pb
+from siphon_dagster.source import ExistingRowsValue, backfill
 from siphon_dagster.streaming.batch import ReceivedPackage
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.targets.base import SourceColumn, TableSchema, Target
+
+_log = get_logger("streaming.schema")
 
 Fingerprint = tuple[tuple[str, int, int, bool], ...]
 
@@ -67,6 +78,7 @@ class SchemaTracker:
         self.table = table
         self.source = source
         self._applied: _Applied | None = None
+        self._warnings: list[str] = []
 
     @property
     def qualified_name(self) -> str:
@@ -82,14 +94,35 @@ class SchemaTracker:
         columns = newest.columns
         table = self._schema(columns)
         if applied is None or fingerprint(columns) != applied.fingerprint:
-            change = self.target.ensure_table(table)
-            if change.incompatible:
-                raise IncompatibleSchemaError(
-                    f"table {self.qualified_name}: target {self.target.name} cannot follow the source's schema as "
-                    f"of stream sequence {newest.sequence}: {'; '.join(map(str, change.incompatible))}. The "
-                    "table's stream stops here; rebuild its targets with the table's resync job")
+            self._ensure(table, applied, newest)
         self._applied = _Applied(newest.last_commit_lsn, columns, fingerprint(columns))
         return table
+
+    def take_warnings(self) -> list[str]:
+        """What the batches resolved since the last call need an operator for (then forgotten)."""
+        warnings, self._warnings = self._warnings, []
+        return warnings
+
+    def _ensure(self, table: TableSchema, applied: _Applied | None, newest: ReceivedPackage) -> None:
+        # Columns the target may lack: new since the list applied before, or any on a run's first batch.
+        known = {c.name for c in applied.columns} if applied is not None else set()
+        candidates = [c for c in table.columns if not c.primary_key and c.name not in known]
+        existing = self.source.existing_rows_values(table, candidates) if self.source and candidates else {}
+        change = self.target.ensure_table(table, backfill(existing))
+        if change.incompatible:
+            raise IncompatibleSchemaError(
+                f"table {self.qualified_name}: target {self.target.name} cannot follow the source's schema as "
+                f"of stream sequence {newest.sequence}: {'; '.join(map(str, change.incompatible))}. The "
+                "table's stream stops here; rebuild its targets with the table's resync job")
+        unread = "this run has no source connection to read the catalog from" if self.source is None else \
+            "the source catalog was not read for it"
+        for name in change.added_columns:
+            value = existing.get(name) or ExistingRowsValue(name, known=False, reason=unread)
+            if not value.known:
+                self._warnings.append(value.resync_warning(self.schema, self.table, self.target.name))
+                _log.warning("rows that predate an added column hold values the stream never carried; resync "
+                             "the table", table=self.qualified_name, target=self.target.name, column=name,
+                             reason=value.reason, job=naming.resync_job_name(self.schema, self.table))
 
     def _schema(self, columns: Sequence[pb.Column]) -> TableSchema:
         categories = self.source.type_categories([c.type_oid for c in columns]) if self.source else None

@@ -5,6 +5,8 @@
   the column arrives with a greater version (DESIGN.md, section 3).
 - Type categories of column types, so a table schema built from a package matches the one the
   snapshot path reads from the catalog.
+- For a column added at the source, the value its older rows hold: PostgreSQL sends no change for
+  them (siphon_dagster.source.existing_rows_values).
 
 Values are read as the raw text the server sends, rendered by each type's output function under
 the producer's session settings (siphon_dagster.source.SESSION_OPTIONS). A `::text` cast would
@@ -20,7 +22,8 @@ import psycopg
 from psycopg import sql
 
 from siphon_dagster import source
-from siphon_dagster.targets.base import TableSchema
+from siphon_dagster.source import ExistingRowsValue
+from siphon_dagster.targets.base import SourceColumn, TableSchema
 
 _KEYS_PER_QUERY = 500
 TextRow = dict[str, str | None]
@@ -63,6 +66,11 @@ class SourceRowReader:
             for oid, category, element in rows:
                 self._types[oid] = (category, element)
         return {oid: self._types[oid] for oid in type_oids if oid in self._types}
+
+    def existing_rows_values(self, table: TableSchema,
+                             columns: Sequence[SourceColumn]) -> dict[str, ExistingRowsValue]:
+        """Per column, the value rows that existed when it was added hold in it (not for key columns)."""
+        return source.existing_rows_values(self._connect(), table.schema, table.table, columns)
 
     def close(self) -> None:
         if self._connection is not None:

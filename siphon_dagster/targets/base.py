@@ -7,7 +7,7 @@ value is never reinterpreted by Python on the way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -111,8 +111,15 @@ class Target(Protocol):
 
     name: str  # "clickhouse" or "snowflake": used for asset keys and job names only
 
-    def ensure_table(self, table: TableSchema) -> SchemaChange:
-        """Creates the versioned table and its current-rows view, or adds new source columns."""
+    def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
+        """Creates the versioned table and its current-rows view, or adds new source columns.
+
+        `backfill` gives, as PostgreSQL text, the value that rows already in the table take in a
+        column this call adds (a source DEFAULT that PostgreSQL applied without sending changes);
+        added columns it does not name are NULL in those rows. Rows written later always carry
+        their own value, NULL included. The column appears with its values in one step, so a
+        crash never leaves it added but unfilled.
+        """
 
     def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
         """Applies a change batch laid out as `change_batch_schema(table)`; returns rows written."""

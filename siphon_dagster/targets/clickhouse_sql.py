@@ -1,14 +1,14 @@
 """ClickHouse statements for one replicated table, built from its schema and the type mapping.
 
 Identifiers always go through `quote`. Values are server-side parameters (`{name:Type}`), never
-text spliced into SQL.
+text spliced into SQL, except a DEFAULT in DDL, which takes no parameters (`backfill_default`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clickhouse_connect.driver.binding import escape_str
+from clickhouse_connect.driver.binding import escape_str, format_query_value
 
 from siphon_dagster.targets.base import (
     DELETED_COLUMN,
@@ -69,6 +69,21 @@ def check_columns(table: TableSchema) -> None:
 
 def column_definition(column: SourceColumn) -> str:
     return f"{quote(column.name)} {clickhouse_type(column)}"
+
+
+def backfill_default(column: SourceColumn, text: str | None) -> str:
+    """` DEFAULT <value>` for a column added to a table that holds rows, or nothing for NULL.
+
+    ClickHouse computes a column's DEFAULT for the parts written before the column existed (merges
+    then store it), so those rows read the value at once and the ALTER rewrites nothing. Every
+    insert names every source column, so rows written later keep their own value, NULL included;
+    only TRUNCATE's tombstones (keys only) take the default, and they are never read. DDL takes no
+    query parameters: the text is a literal quoted by the driver, converted by the type mapping's
+    expression as any staged value is.
+    """
+    if text is None:
+        return ""
+    return f" DEFAULT {mapping_for(column).clickhouse.convert(format_query_value(text))}"
 
 
 def create_table(target: str, table: TableSchema) -> str:

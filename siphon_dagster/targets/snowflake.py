@@ -7,7 +7,7 @@ mapping's expressions, so the stream and snapshots share one conversion.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import islice
 from typing import Any
@@ -20,13 +20,14 @@ from siphon_core.config import SnowflakeTargetConfig
 from siphon_dagster.targets import snowflake_sql as sql
 from siphon_dagster.targets.base import (
     SchemaChange,
+    SourceColumn,
     TableSchema,
     TargetColumn,
     TargetError,
     change_batch_schema,
 )
 from siphon_dagster.targets.copy_text import iter_copy_rows
-from siphon_dagster.targets.type_mapping import snowflake_type
+from siphon_dagster.targets.type_mapping import mapping_for, snowflake_type
 
 # Rows per INSERT ... VALUES statement into the stage, and an upper bound on its bind parameters.
 STAGE_ROWS_PER_STATEMENT = 1000
@@ -122,7 +123,7 @@ class SnowflakeTarget:
         )
         return bool(rows[0][0])
 
-    def ensure_table(self, table: TableSchema) -> SchemaChange:
+    def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
         sql.check_columns(table)
         names = self._names(table)
         change = SchemaChange()
@@ -140,13 +141,12 @@ class SnowflakeTarget:
                     f"primary key: the source's is {source_key}, the table's is {stored_key} (resync the table to rebuild it)"
                 )
             targets = self._write_targets(names)
+            backfill = backfill or {}
             for column in table.columns:
                 expected = sql.declared_type(snowflake_type(column))
                 if column.name not in existing:
                     for target in targets:
-                        # NULL where rows predate the column; a new column cannot join the key.
-                        definition = f"{sql.quote(column.name)} {snowflake_type(column)}"
-                        self._execute(names, f"adding column {column.name!r}", f"ALTER TABLE {target} ADD COLUMN {definition}")
+                        self._add_column(names, target, column, backfill.get(column.name))
                     change.added_columns.append(column.name)
                 elif existing[column.name] != expected:
                     change.incompatible.append(
@@ -159,6 +159,26 @@ class SnowflakeTarget:
             self._execute(names, "creating the truncations table", sql.create_truncations(names))
             self._execute(names, "creating the current-rows view", sql.create_view(names))
         return change
+
+    def _add_column(self, names: sql.TableNames, target: str, column: SourceColumn, backfill: str | None) -> None:
+        """Adds a source column, nullable (a new column cannot join the key); rows already in the
+        table hold `backfill` in it, or NULL.
+
+        Snowflake commits each DDL statement on its own: the column is filled under a working name
+        and renamed once filled, so it never appears unfilled; a crash in between leaves only the
+        working column, which the next attempt drops. The value is a bind parameter converted by
+        the type mapping, as in a MERGE.
+        """
+        what = f"adding column {column.name!r}"
+        if backfill is None:
+            self._execute(names, what, f"ALTER TABLE {target} ADD COLUMN {sql.quote(column.name)} {snowflake_type(column)}")
+            return
+        working = sql.quote(sql.backfill_column_name(column.name))
+        self._execute(names, what, f"ALTER TABLE {target} DROP COLUMN IF EXISTS {working}")
+        self._execute(names, what, f"ALTER TABLE {target} ADD COLUMN {working} {snowflake_type(column)}")
+        self._execute(names, f"filling column {column.name!r} of existing rows",
+                      f"UPDATE {target} SET {working} = {mapping_for(column).snowflake.convert('?')}", (backfill,))
+        self._execute(names, what, f"ALTER TABLE {target} RENAME COLUMN {working} TO {sql.quote(column.name)}")
 
     def describe_columns(self, table: TableSchema) -> list[TargetColumn]:
         names = self._names(table)

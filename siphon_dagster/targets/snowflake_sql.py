@@ -82,6 +82,11 @@ def column_definition(column: SourceColumn) -> str:
     return f"{quote(column.name)} {snowflake_type(column)}{not_null}"
 
 
+def backfill_column_name(column: str) -> str:
+    """Where a column added to a table that holds rows is filled before it takes its name."""
+    return f"_siphon_backfill_{column}"
+
+
 def create_table(target: str, table: TableSchema) -> str:
     columns = [column_definition(c) for c in table.columns]
     columns += [f"{quote(name)} {kind} NOT NULL" for name, kind in META_TYPES.items()]

@@ -10,6 +10,9 @@ from typing import Any
 from psycopg import sql
 
 from siphon_core import naming
+from siphon_core.config import TableConfig
+from siphon_dagster import source
+from siphon_dagster.targets.base import TableSchema
 from tests.helpers import stream
 from tests.helpers.producer import ProducerProcess, drop_application, execute, producer_config
 
@@ -41,6 +44,25 @@ class Application:
         """Runs `query` with `{schema}` replaced by the quoted schema name."""
         text = query.replace("{schema}", sql.Identifier(self.schema).as_string(None))
         return execute(dsn or self.dsn, text, params)  # type: ignore[arg-type]
+
+    def table_schema(self, name: str) -> TableSchema:
+        """The table as the snapshot path reads it from the catalog."""
+        with source.connect(self.dsn) as connection:
+            return source.table_schema(connection, TableConfig(name=self.qualified(name)))
+
+    def rows_as_text(self, table: TableSchema) -> list[tuple[str | None, ...]]:
+        """Every row as the server prints its values (as pgoutput and COPY send them), ordered by key
+        like `Target.current_rows_as_text`."""
+        query = sql.SQL("select {} from {} order by {}").format(
+            sql.SQL(", ").join(map(sql.Identifier, table.column_names)), sql.Identifier(table.schema, table.table),
+            sql.SQL(", ").join(sql.Identifier(c.name) for c in table.key_columns))
+        with source.connect(self.dsn) as connection, connection.cursor() as cursor:
+            cursor.execute(query)
+            result = cursor.pgresult
+            assert result is not None
+            values = [[result.get_value(row, column) for column in range(result.nfields)]
+                      for row in range(result.ntuples)]
+        return [tuple(None if value is None else bytes(value).decode() for value in row) for row in values]
 
     def config(self, tables: list[str | dict[str, Any]], dsn: str | None = None, **producer: Any) -> dict[str, Any]:
         qualified = [self.qualified(t) if isinstance(t, str) else {**t, "name": self.qualified(t["name"])}

@@ -82,8 +82,8 @@ class Workload:
             c.execute("insert into items (title, qty, price) select 'bulk ' || g, g, g / 3.0 "
                       "from generate_series(1, 5000) g")
         elif step == 80:
-            # Without a DEFAULT: rows that predate the column read NULL at the source too. (A constant
-            # DEFAULT is stored only in the catalog, not in the WAL: see the architecture notes.)
+            # Without a DEFAULT: rows that predate the column read NULL at the source too (a DEFAULT
+            # has its own test, test_add_column_default.py).
             c.execute("alter table items add column priority smallint")
         elif step == 90:
             c.execute("update items set priority = 1 where id in (select id from items order by id desc limit 20)")

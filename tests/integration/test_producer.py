@@ -28,18 +28,6 @@ from tests.helpers.producer import current_lsn, drop_application, execute, slot_
 INS, UPD, DEL, TRUNC = pb.INSERT, pb.UPDATE, pb.DELETE, pb.TRUNCATE
 
 
-@pytest.fixture
-def app(postgres_dsn: str, nats_url: str, unique_name: str, tmp_path: Path) -> Iterator[Application]:
-    application = Application(postgres_dsn, nats_url, unique_name, unique_name, tmp_path)
-    execute(postgres_dsn, sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
-    try:
-        yield application
-    finally:
-        for process in application.producers:
-            print(f"--- log of {process.config_path.name}\n{process.log()}")  # shown when the test fails
-        application.close()
-
-
 def test_every_operation_arrives_in_commit_order_with_keys_and_metadata(app: Application) -> None:
     app.sql("create table {schema}.items (id integer primary key, name text, n bigint not null)")
     producer = app.producer(["items"])

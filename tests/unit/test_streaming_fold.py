@@ -15,11 +15,12 @@ from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST as U
 from siphon_core.wire.tuple_data import encode_tuple
+from siphon_dagster.source import ExistingRowsValue
 from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier
 from siphon_dagster.streaming.batch import PackageAssembler
 from siphon_dagster.streaming.spark_session import get_spark_session
 from siphon_dagster.streaming.toast import UnchangedValueError
-from siphon_dagster.targets.base import TableSchema
+from siphon_dagster.targets.base import SourceColumn, TableSchema
 from tests.unit.test_streaming_packages import (
     NOTES,
     MemoryTarget,
@@ -54,6 +55,10 @@ class FakeSource:
 
     def type_categories(self, type_oids: Sequence[int]) -> dict[int, tuple[str, int]]:
         return {}
+
+    def existing_rows_values(self, table: TableSchema,
+                             columns: Sequence[SourceColumn]) -> dict[str, ExistingRowsValue]:
+        return {c.name: ExistingRowsValue.null(c.name) for c in columns}  # columns added without a DEFAULT
 
 
 def apply(spark: SparkSession, target: MemoryTarget, *packages: pb.Package, source: FakeSource | None = None,

@@ -3,7 +3,7 @@ of the driver-side package assembly (chunked events, batch facts)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -95,16 +95,20 @@ class MemoryTarget:
     name: str = "memory"
     rows: dict[tuple[str | None, ...], tuple[int, bool, dict[str, str | None]]] = field(default_factory=dict)
     schemas: list[TableSchema] = field(default_factory=list)
+    backfills: list[dict[str, str]] = field(default_factory=list)  # what each ensure_table was given
     truncations: list[int] = field(default_factory=list)
     incompatible: list[str] = field(default_factory=list)
     fail_apply: int = 0  # the next N apply_rows calls raise
     applied_batches: int = 0
 
-    def ensure_table(self, table: TableSchema) -> SchemaChange:
+    def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
         known = {c.name for s in self.schemas for c in s.columns}
         self.schemas.append(table)
-        return SchemaChange(created=len(self.schemas) == 1,
-                            added_columns=[c.name for c in table.columns if known and c.name not in known],
+        self.backfills.append(dict(backfill or {}))
+        added = [c.name for c in table.columns if known and c.name not in known]
+        for _version, _deleted, row in self.rows.values():
+            row.update({name: (backfill or {}).get(name) for name in added})
+        return SchemaChange(created=len(self.schemas) == 1, added_columns=added,
                             incompatible=list(self.incompatible))
 
     def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:

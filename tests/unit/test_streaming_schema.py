@@ -1,13 +1,18 @@
-"""The column list a batch is applied under, and what reaches the target's `ensure_table`."""
+"""The column list a batch is applied under, what reaches the target's `ensure_table`, and what an
+added column's older rows hold."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pytest
 
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
+from siphon_dagster.source import ExistingRowsValue
 from siphon_dagster.streaming.batch import PackageAssembler, ReceivedPackage
 from siphon_dagster.streaming.schema import IncompatibleSchemaError, SchemaChangeError, SchemaTracker
+from siphon_dagster.targets.base import SourceColumn, TableSchema
 from tests.unit.test_streaming_packages import NOTES, MemoryTarget, column, insert, package
 
 WITH_TAG = (*NOTES, column("tag"))
@@ -57,3 +62,55 @@ def test_a_type_change_the_target_cannot_follow_stops_naming_table_and_column() 
     with pytest.raises(IncompatibleSchemaError, match=r"public\.notes: target memory cannot follow the source's "
                                                       r"schema as of stream sequence 1: score: source type text"):
         SchemaTracker(target, "public", "notes").resolve(received((0x10, NOTES)))  # type: ignore[arg-type]
+
+
+class CatalogReader:
+    """The catalog side of SourceRowReader: what rows that predate each column hold."""
+
+    def __init__(self, **values: ExistingRowsValue) -> None:
+        self.values = values
+        self.asked: list[list[str]] = []
+
+    def existing_rows_values(self, table: TableSchema, columns: Sequence[SourceColumn]) -> dict[str, ExistingRowsValue]:
+        self.asked.append([c.name for c in columns])
+        return {c.name: self.values.get(c.name, ExistingRowsValue.null(c.name)) for c in columns}
+
+    def type_categories(self, type_oids: Sequence[int]) -> dict[int, tuple[str, int]]:
+        return {}
+
+
+def test_an_added_column_is_added_holding_the_value_the_source_gave_older_rows() -> None:
+    target = MemoryTarget()
+    reader = CatalogReader(tag=ExistingRowsValue("tag", True, "seven"))
+    tracker = SchemaTracker(target, "public", "notes", reader)  # type: ignore[arg-type]
+    tracker.resolve(received((0x10, NOTES)))
+    tracker.resolve(received((0x11, WITH_TAG)))
+    # A run's first list may meet columns the target lacks; afterwards only new columns are asked for.
+    assert reader.asked == [["body", "score"], ["tag"]]
+    assert target.backfills == [{}, {"tag": "seven"}]
+    assert tracker.take_warnings() == []
+
+
+def test_an_added_column_whose_older_values_the_catalog_does_not_keep_is_reported() -> None:
+    reason = "it has DEFAULT clock_timestamp() and the catalog keeps no value for older rows"
+    target = MemoryTarget()
+    reader = CatalogReader(tag=ExistingRowsValue("tag", False, reason=reason))
+    tracker = SchemaTracker(target, "public", "notes", reader)  # type: ignore[arg-type]
+    tracker.resolve(received((0x10, NOTES)))
+    tracker.resolve(received((0x11, WITH_TAG)))
+    assert target.backfills[-1] == {}
+    [warning] = tracker.take_warnings()
+    assert warning.startswith("table public.notes: column 'tag' was added at the source")
+    assert reason in warning and "target memory" in warning and "resynced (job resync_notes)" in warning
+    assert tracker.take_warnings() == []
+    tracker.resolve(received((0x12, WITH_TAG)))  # the same list again: nothing new to say
+    assert tracker.take_warnings() == []
+
+
+def test_without_a_source_an_added_column_is_reported_as_unknown() -> None:
+    tracker = SchemaTracker(MemoryTarget(), "public", "notes")  # type: ignore[arg-type]
+    tracker.resolve(received((0x10, NOTES)))
+    assert tracker.take_warnings() == []
+    tracker.resolve(received((0x11, WITH_TAG)))
+    [warning] = tracker.take_warnings()
+    assert "column 'tag'" in warning and "no source connection" in warning
