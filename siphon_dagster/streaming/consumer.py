@@ -90,22 +90,33 @@ class StreamConsumer:
     async def _loop(self, subscription: JetStreamContext.PullSubscription, summary: RunSummary,
                     stop_when_drained: bool, max_batches: int | None,
                     on_batch: Callable[[BatchReport], None] | None) -> None:
-        while not self._stopping.is_set() and (max_batches is None or summary.batches < max_batches):
-            pulled_at = time.perf_counter()
-            messages = await self._pull(subscription)
-            report = await self._process(messages, pulled_at) if messages else None
-            if report is not None:
-                summary.add(report)
-                _log.info("batch applied", table=self.table.name, target=self.target.name,
-                          sequences=f"{report.first_sequence}-{report.last_sequence}", events=report.events,
-                          rows=report.rows_applied, lsn=report.applied_lsn_text, pending=report.pending,
-                          seconds=round(report.latency_seconds, 3))
-                if on_batch is not None:
-                    on_batch(report)
-            if stop_when_drained:
-                pending = report.pending if report is not None else await self._pending()
-                if pending <= 0:
-                    return
+        # The next batch is pulled while this one is applied (the apply runs in a thread): the
+        # pull's wait and transfer leave the cores idle otherwise. Messages pulled ahead but never
+        # applied stay unacknowledged, and the next run replays them in order.
+        ahead: asyncio.Task[list[Msg]] | None = None
+        try:
+            while not self._stopping.is_set() and (max_batches is None or summary.batches < max_batches):
+                pulled_at = time.perf_counter()
+                messages = await (ahead if ahead is not None else self._pull(subscription))
+                ahead = None
+                if messages and (max_batches is None or summary.batches + 1 < max_batches):
+                    ahead = asyncio.create_task(self._pull(subscription))
+                report = await self._process(messages, pulled_at) if messages else None
+                if report is not None:
+                    summary.add(report)
+                    _log.info("batch applied", table=self.table.name, target=self.target.name,
+                              sequences=f"{report.first_sequence}-{report.last_sequence}", events=report.events,
+                              rows=report.rows_applied, lsn=report.applied_lsn_text, pending=report.pending,
+                              seconds=round(report.latency_seconds, 3))
+                    if on_batch is not None:
+                        on_batch(report)
+                if stop_when_drained:
+                    pending = report.pending if report is not None else await self._pending()
+                    if pending <= 0 and (ahead is None or not await ahead):
+                        return
+        finally:
+            if ahead is not None:
+                ahead.cancel()
 
     async def _rewind_if_interrupted(self) -> None:
         """Replays from the ack floor when a previous run left messages unacknowledged."""
