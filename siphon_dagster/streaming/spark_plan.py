@@ -39,6 +39,9 @@ from siphon_dagster.streaming.fold import fold_changes, with_version
 from siphon_dagster.streaming.spark_session import is_remote, shuffle_partitions
 
 BUCKETED_DDL = "_bucket int, _blob binary"
+# Decoded changes a decode task folds and hands on at once; the fold stage still meets every
+# change of a key, whatever the number of pieces.
+DECODED_BYTES_PER_FLUSH = 128 << 20
 BLOB_DDL = "_blob binary"
 # Values compress several times over; Spark then copies, shuffles and hands back far fewer bytes.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
@@ -108,11 +111,19 @@ class DecodeStage:
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         decoder = PackageDecoder(self.spec)
         parts: list[pa.RecordBatch] = []
+        held = 0
         for batch in batches:
             for seq, payload in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
-                parts.extend(decoder.decode(seq, payload))
-        if not parts:
-            return
+                for part in decoder.decode(seq, payload):
+                    parts.append(part)
+                    held += part.nbytes
+                if held >= DECODED_BYTES_PER_FLUSH:  # a worker holds a bounded part of the batch
+                    yield from self._flush(parts)
+                    parts, held = [], 0
+        if parts:
+            yield from self._flush(parts)
+
+    def _flush(self, parts: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         changes = pa.Table.from_batches(parts, DECODED_SCHEMA)
         if self.keys is not None:
             wanted = pc.is_in(changes.column("_key"), value_set=pa.array(sorted(self.keys), pa.binary()))

@@ -1,0 +1,91 @@
+"""The two stages of the Spark plan run as plain functions: however the changes are cut into
+pieces and buckets, the fold keeps exactly the latest change of every key."""
+
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+import pytest
+
+from siphon_core import naming
+from siphon_core.wire import siphon_pb2 as pb
+from siphon_core.wire.packages import encode_package
+from siphon_dagster.streaming import spark_plan
+from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec
+from siphon_dagster.streaming.fold import fold_changes
+from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
+
+SPEC = DecodeSpec(tuple(c.name for c in NOTES), ("id",))
+
+
+def _random_packages(seed: int) -> tuple[list[pb.Package], dict[str, tuple[int, int, list]]]:
+    """Packages of random changes to 30 keys, and each key's expected latest (op, version, values)."""
+    rng = random.Random(seed)
+    packages, latest = [], {}
+    lsn = 100
+    for _ in range(12):
+        events = []
+        for _ in range(rng.randrange(1, 40)):
+            lsn += rng.randrange(1, 3)
+            position = rng.randrange(1, 4)
+            key = str(rng.randrange(30))
+            values = [key, f"body {lsn}", str(position)]
+            kind = rng.random()
+            if kind < 0.4:
+                events.append(insert(lsn, *values, position=position))
+            elif kind < 0.8:
+                events.append(update(lsn, *values, position=position))
+            else:
+                events.append(delete(lsn, key, None, None, position=position))  # pgoutput sends every column
+                values = [key, None, None]
+            op = events[-1].operation
+            version = naming.row_version(lsn, position)
+            if key not in latest or latest[key][1] < version:
+                latest[key] = (op, version, values)
+        packages.append(package(events))
+    rng.shuffle(packages)  # stream order does not matter to the fold
+    return packages, latest
+
+
+def _run_stages(packages: list[pb.Package], buckets: list[int]) -> pa.Table:
+    payloads = pa.RecordBatch.from_arrays(
+        [pa.array(range(1, len(packages) + 1), pa.int64()), pa.array([encode_package(p) for p in packages])],
+        schema=INPUT_SCHEMA)
+    decoded = list(spark_plan.DecodeStage(SPEC, buckets, None)(iter([payloads])))
+    by_bucket: dict[int, list[pa.RecordBatch]] = {}
+    for batch in decoded:
+        by_bucket.setdefault(batch.column(0)[0].as_py(), []).append(batch)
+    assert set(by_bucket) <= set(buckets)
+    folded = [spark_plan._read_blob(blob)
+              for bucket in by_bucket.values()
+              for out in spark_plan.FoldStage(len(SPEC.columns))(iter(bucket))
+              for blob in spark_plan._blobs(out)]
+    return pa.concat_tables(folded)
+
+
+@pytest.mark.parametrize("flush_bytes", [1, 1 << 30])
+@pytest.mark.parametrize("buckets", [[0], [7, 3, 11]])
+def test_any_cut_into_pieces_and_buckets_keeps_each_keys_latest_change(monkeypatch, flush_bytes, buckets):
+    monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", flush_bytes)
+    packages, latest = _random_packages(seed=len(buckets) + flush_bytes % 7)
+
+    rows = _run_stages(packages, buckets)
+
+    got = {}
+    for row in rows.to_pylist():
+        key = row["c0"].decode()
+        assert key not in got, f"key {key} survived twice"
+        values = [None if row[f"c{i}"] is None else row[f"c{i}"].decode() for i in range(3)]
+        got[key] = (row["_op"], int(row["_version"]), values)
+    assert got == latest
+
+
+def test_changes_up_to_the_last_truncate_are_dropped():
+    changes = pa.Table.from_batches(list(spark_plan.PackageDecoder(SPEC).decode(1, encode_package(package([
+        insert(10, "1", "a", "1"), truncate(11), insert(12, "2", "b", "2"), update(13, "1", "c", "3"),
+    ])))))
+
+    folded = fold_changes(changes, naming.row_version(11, 1))
+
+    assert sorted(folded.column("_lsn").to_pylist()) == [12, 13]
