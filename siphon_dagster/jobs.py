@@ -5,6 +5,7 @@ import time
 import dagster as dg
 
 from siphon_core import naming
+from siphon_dagster.run_liveness import WORKER_TAG, worker_identity
 from siphon_dagster.specs import TableSpec
 
 STREAM_TAG = "siphon/stream"
@@ -66,6 +67,8 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
                 metadata=metadata,
             ))
 
+        # Lets the streaming sensor tell this run from one whose worker died (run_liveness).
+        context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity()})
         destination = getattr(context.resources, resource_key).open_target()
         consumer = StreamConsumer(
             queue=context.resources.queue.queue(client_name=f"siphon {job_name}"),

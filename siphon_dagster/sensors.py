@@ -11,6 +11,7 @@ from siphon_dagster import source as source_db
 from siphon_dagster.assets import observe_source
 from siphon_dagster.partitions import missing_keys
 from siphon_dagster.resources import NatsResource, PostgresResource
+from siphon_dagster.run_liveness import dead_run_reason
 from siphon_dagster.specs import TableSpec
 
 
@@ -94,7 +95,7 @@ def build_streaming_sensor(specs: list[TableSpec], group: str, jobs: dict[tuple[
             entry = state.setdefault(job.name, {})
             if pending.get(job.name) is not None:
                 entry["pending"] = pending[job.name]
-            if context.instance.get_runs(filters=dg.RunsFilter(job_name=job.name, statuses=IN_PROGRESS), limit=1):
+            if _live_runs(context, job.name, now()):
                 entry["failures"] = 0
                 continue
             failures, last_end = consecutive_failures(context.instance, job.name)
@@ -110,6 +111,20 @@ def build_streaming_sensor(specs: list[TableSpec], group: str, jobs: dict[tuple[
         return dg.SensorResult(run_requests=requests, cursor=json.dumps(state, sort_keys=True))
 
     return _streaming
+
+
+def _live_runs(context: dg.SensorEvaluationContext, job_name: str, now: float) -> list[dg.DagsterRun]:
+    """The job's in-progress runs that may have a live worker; the others are reported failed."""
+    live = []
+    for record in context.instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=IN_PROGRESS), limit=5):
+        reason = dead_run_reason(record.dagster_run, record.start_time, now)
+        if reason is None:
+            live.append(record.dagster_run)
+            continue
+        message = f"{job_name}: run {record.dagster_run.run_id} is marked failed: {reason}"
+        context.log.warning(message)
+        context.instance.report_run_failed(record.dagster_run, message)
+    return live
 
 
 def _pending_counts(context: dg.SensorEvaluationContext, resource: NatsResource,

@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import dagster as dg
 import psycopg
@@ -12,6 +14,7 @@ from psycopg import sql
 from siphon_core import naming
 from siphon_core.config import parse_config
 from siphon_dagster.definitions import build_definitions, build_resources
+from siphon_dagster.run_liveness import WORKER_TAG, dead_run_reason, worker_identity
 from siphon_dagster.sensors import backoff_seconds, build_streaming_sensor
 from siphon_dagster.specs import table_specs
 
@@ -108,6 +111,39 @@ def test_streaming_sensor_does_not_start_a_duplicate(config):
         create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED)
         result = tick(defs, config, instance, "_streaming")
         assert result.run_requests == []
+
+
+def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
+    defs = build_definitions(config)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = worker_identity(worker.pid)  # taken while it runs, as a streaming run tags itself
+    worker.kill()
+    worker.wait()
+    with dg.instance_for_test() as instance:
+        dead = create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED,
+                                   tags={WORKER_TAG: gone})
+        result = tick(defs, config, instance, "_streaming")
+        assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
+        assert instance.get_run_by_id(dead.run_id).status == dg.DagsterRunStatus.FAILURE
+
+
+def test_streaming_sensor_keeps_a_run_whose_worker_is_alive_or_on_another_host(config):
+    defs = build_definitions(config)
+    with dg.instance_for_test() as instance:
+        here = create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED,
+                                   tags={WORKER_TAG: worker_identity()})
+        assert tick(defs, config, instance, "_streaming").run_requests == []
+        instance.report_run_failed(here)
+        create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED,
+                            tags={WORKER_TAG: "another-host:1:123"})
+        assert tick(defs, config, instance, "_streaming").run_requests == []
+
+
+def test_an_untagged_run_counts_as_dead_only_long_after_it_started():
+    run = dg.DagsterRun(job_name="stream_x", status=dg.DagsterRunStatus.STARTED)
+    assert dead_run_reason(run, started_at=None, now=1e9) is None
+    assert dead_run_reason(run, started_at=1e9 - 60, now=1e9) is None
+    assert "never reported" in dead_run_reason(run, started_at=1e9 - 3600, now=1e9)
 
 
 def test_streaming_sensor_backs_off_after_repeated_failures_and_resumes_later(config):
