@@ -27,7 +27,9 @@ from siphon_dagster.source import connect
 from siphon_dagster.targets.base import TableSchema
 
 log = get_logger("snapshot")
-CHUNK_BYTES = 1 << 20  # small enough to keep PostgreSQL, this process and the target busy at once
+# Small enough that PostgreSQL, this process and the target work at once, and that the copies of a
+# chunk on its way stay in the CPU's cache: 1 MiB chunks cost this process a third more CPU.
+CHUNK_BYTES = 128 << 10
 
 
 class NoFreeSlotError(RuntimeError):
@@ -100,35 +102,28 @@ def read_range(dsn: str, snapshot_name: str, table: TableSchema, block_range: Bl
     with connect(dsn, application_name="siphon snapshot") as connection:
         connection.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         connection.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
-        pending, rows = bytearray(), 0
         last_report = time.monotonic()
         statement = copy_query(table, block_range).as_bytes(connection)
-        with closing(copy_out(connection, statement)) as messages:
-            for row in messages:
-                pending += row  # COPY text sends one row per message, newline included
-                rows += 1
-                if len(pending) >= chunk_bytes:
-                    chunk, pending = bytes(pending), bytearray()
-                    progress.rows += rows
-                    progress.bytes += len(chunk)
-                    rows = 0
-                    yield chunk
-                    if on_progress is not None and time.monotonic() - last_report > 5.0:
-                        on_progress(progress)
-                        last_report = time.monotonic()
-        if pending:
-            progress.rows += rows
-            progress.bytes += len(pending)
-            yield bytes(pending)
+        with closing(copy_out(connection, statement, chunk_bytes)) as chunks:
+            for chunk, rows in chunks:
+                progress.rows += rows
+                progress.bytes += len(chunk)
+                yield chunk
+                if on_progress is not None and time.monotonic() - last_report > 5.0:
+                    on_progress(progress)
+                    last_report = time.monotonic()
         connection.rollback()
 
 
-def copy_out(connection: psycopg.Connection[Any], statement: bytes) -> Iterator[memoryview]:
-    """The messages of a `COPY ... TO STDOUT`, straight from libpq.
+def copy_out(connection: psycopg.Connection[Any], statement: bytes,
+             chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+    """The output of a `COPY ... TO STDOUT` straight from libpq, as chunks of whole rows of about
+    `chunk_bytes` each, with the number of rows in each.
 
-    psycopg's `Copy.read()` makes a generator round trip per message, and a message is one row:
-    that costs several times what libpq itself does. If the consumer stops early, the connection
-    is closed, which ends the COPY at the server.
+    COPY text sends one message per row, newline included. psycopg's `Copy.read()` makes a
+    generator round trip per message, which costs several times what libpq itself does, so the
+    messages are gathered here in one loop with nothing else in it. If the consumer stops early,
+    the connection is closed, which ends the COPY at the server.
     """
     pgconn = connection.pgconn
     readable = select.poll()
@@ -144,15 +139,24 @@ def copy_out(connection: psycopg.Connection[Any], statement: bytes) -> Iterator[
         result = _next_result(pgconn, readable)
         if result is None or result.status != pq.ExecStatus.COPY_OUT:
             raise _error(connection, result, "COPY did not start")
+        get_copy_data = pgconn.get_copy_data
+        pending, rows = bytearray(), 0
         while True:
-            size, data = pgconn.get_copy_data(1)  # nonblocking: 0 means no whole message yet
+            size, data = get_copy_data(1)  # nonblocking: 0 means no whole message yet
             if size > 0:
-                yield data
+                pending += data
+                rows += 1
+                if len(pending) >= chunk_bytes:
+                    yield bytes(pending), rows
+                    pending.clear()
+                    rows = 0
             elif size == 0:
                 readable.poll()
                 pgconn.consume_input()
             else:
                 break  # -1: the COPY is done (libpq's errors raise in get_copy_data)
+        if pending:
+            yield bytes(pending), rows
         while (result := _next_result(pgconn, readable)) is not None:
             if result.status != pq.ExecStatus.COMMAND_OK:
                 raise _error(connection, result, "COPY failed")
