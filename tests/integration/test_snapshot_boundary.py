@@ -31,11 +31,9 @@ as fast as it can on one key while snapshots are taken, and checks the split for
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 import pyarrow as pa
@@ -63,17 +61,11 @@ SNAPSHOTS_UNDER_LOAD = 25
 
 
 @pytest.fixture
-def app(postgres_dsn: str, nats_url: str, unique_name: str, tmp_path: Path) -> Iterator[Application]:
-    application = Application(postgres_dsn, nats_url, unique_name, unique_name, tmp_path)
-    application.sql("create schema {schema}")
-    application.sql("create table {schema}.t (id bigint primary key, v bigint not null, writer text)")
-    application.sql("insert into {schema}.t values (1, 0, 'initial'), (2, 0, 'initial')")
-    try:
-        yield application
-    finally:
-        for process in application.producers:
-            print(f"--- log of {process.config_path.name}\n{process.log()}")  # shown when the test fails
-        application.close()
+def app(app: Application) -> Application:
+    """The shared application fixture, with the table the tests write."""
+    app.sql("create table {schema}.t (id bigint primary key, v bigint not null, writer text)")
+    app.sql("insert into {schema}.t values (1, 0, 'initial'), (2, 0, 'initial')")
+    return app
 
 
 def start_producer(app: Application) -> None:
