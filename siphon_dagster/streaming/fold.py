@@ -36,13 +36,14 @@ def fold_changes(changes: pa.Table, truncated_at: int | None = None) -> pa.Table
         rows = rows.filter(_after(rows, truncated_at))
     if rows.num_rows < 2:
         return rows
-    rows = rows.take(pc.sort_indices(rows, sort_keys=_NEWEST_FIRST))
-    keys = rows.column("_key")
-    # Sorted by key, newest first: a row whose key differs from the row before it is its key's latest.
+    order = pc.sort_indices(rows, sort_keys=_NEWEST_FIRST)
+    keys = rows.column("_key").take(order)
+    # Sorted by key, newest first: a row whose key differs from the row before it is its key's
+    # latest. Only the keys are reordered; the rows are copied once, survivors only.
     changed = pc.not_equal(keys.slice(1), keys.slice(0, rows.num_rows - 1))
-    first = pa.concat_arrays([pa.array([True]), *changed.chunks]) if isinstance(changed, pa.ChunkedArray) else \
+    first = pa.chunked_array([pa.array([True]), *changed.chunks]) if isinstance(changed, pa.ChunkedArray) else \
         pa.concat_arrays([pa.array([True]), changed])
-    return rows.filter(first)
+    return rows.take(pc.filter(order, first))
 
 
 def with_version(rows: pa.Table) -> pa.Table:
