@@ -46,6 +46,14 @@ def tick(defs, config, instance, name, cursor=None):
     return sensor(defs, name)(context)
 
 
+def tick_and_add_partitions(defs, config, instance):
+    """A partitions tick whose requested partitions are added, as the daemon would."""
+    result = tick(defs, config, instance, "_partitions")
+    for request in result.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return result
+
+
 def test_partitions_first_tick_adds_every_range_and_observes_the_source(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
@@ -66,9 +74,7 @@ def test_partitions_tick_with_nothing_new_requests_nothing(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
-        first = tick(defs, config, instance, "_partitions")
-        for request in first.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        first = tick_and_add_partitions(defs, config, instance)
         second = tick(defs, config, instance, "_partitions", cursor=first.cursor)
         assert second.dynamic_partitions_requests == []
         assert second.cursor == first.cursor
@@ -79,9 +85,7 @@ def test_partitions_tick_after_growth_adds_only_the_new_ranges(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
-        first = tick(defs, config, instance, "_partitions")
-        for request in first.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        first = tick_and_add_partitions(defs, config, instance)
         before = set(instance.get_dynamic_partitions(spec.partitions_def_name))
         with psycopg.connect(config.source.dsn, autocommit=True) as connection:
             connection.execute(sql.SQL("insert into {} select g, repeat('y', 200) from generate_series(301, 3000) g")
