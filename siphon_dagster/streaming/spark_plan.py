@@ -39,10 +39,10 @@ from siphon_dagster.streaming.fold import fold_changes, with_version
 from siphon_dagster.streaming.spark_session import is_remote, shuffle_partitions
 
 BUCKETED_DDL = "_bucket int, _blob binary"
+BLOB_DDL = "_blob binary"
 # Decoded changes a decode task folds and hands on at once; the fold stage still meets every
 # change of a key, whatever the number of pieces.
 DECODED_BYTES_PER_FLUSH = 128 << 20
-BLOB_DDL = "_blob binary"
 # Values compress several times over; Spark then copies, shuffles and hands back far fewer bytes.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 _bucket_ids: dict[int, list[int]] = {}
