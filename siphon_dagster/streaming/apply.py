@@ -54,7 +54,8 @@ class BatchApplier:
         table = self.schemas.resolve(packages)
         seconds["schema"] = _lap(started)
 
-        spec = DecodeSpec(table.column_names, tuple(c.name for c in table.key_columns))
+        spec = DecodeSpec(table.column_names, tuple(c.name for c in table.key_columns),
+                          f"{table.schema}.{table.table}")
         truncates = [p.truncated_at for p in packages if p.truncated_at is not None]
         truncated_at = max(truncates) if truncates else None
         started = time.perf_counter()

@@ -1,14 +1,13 @@
 """Decoding packages into change rows, as Spark work on the executors (`mapInArrow`).
 
-Input rows are (seq, payload): the JetStream stream sequence and the compressed package. Output rows
-are laid out by `DECODED_SCHEMA`: one row per change of one primary key, its values kept as one
-TupleData aligned to the batch's newest column list. Spark moves, shuffles and sorts these rows; a
-row of 30 text columns costs it several times what one binary column does, so the values are split
-into columns (`split_values`, vectorized) only once the fold has left one row per key:
+Input rows are (seq, payload): the JetStream stream sequence and the compressed package. Decoded
+rows are laid out by `DECODED_SCHEMA`: one row per change of one primary key, its values kept as one
+TupleData aligned to the batch's newest column list:
 
     _key        the primary key, encoded as a TupleData of the key values (NULL for TRUNCATE)
     _op         the pb.Operation value
-    _lsn, _pos  commit LSN and position in the transaction; `_version` is computed from them in Spark
+    _lsn, _pos  commit LSN and position in the transaction; `_version` is computed from them
+    _seq        the stream sequence of the package (named in errors)
     _reset      the row starts a new lineage of values for its key: earlier rows of the key cannot
                 supply an unchanged TOASTed value (INSERT, SNAPSHOT, DELETE, the new key of a
                 primary-key update)
@@ -18,16 +17,18 @@ into columns (`split_values`, vectorized) only once the fold has left one row pe
                 value: an unchanged TOASTed value not sent, or a column absent from the package's
                 own (older) column list. NULL for TRUNCATE.
 
-`split_values` turns `_row` into `_unchanged` (those positions) and `c0..cN` (PostgreSQL text
-output, NULL for NULL or no value; positional names, so any source column name is safe).
+`locate_changes` splits the tuples of all of a task's packages at once (vectorized, every row
+checked) and cuts the keys out of them; after the fold, `LocatedChanges.take` hands on the surviving
+rows with `_row` replaced by `_unchanged` (those positions) and `c0..cN` (PostgreSQL text output,
+NULL for NULL or no value; positional names, so any source column name is safe). Values are split
+once, and only for rows that survive.
 
 A primary-key update becomes a DELETE of the old key and a change of the new key, both with the
 event's version. Under REPLICA IDENTITY FULL the old row fills unchanged TOASTed values here.
 
 Most events need no Python per value: an INSERT's or a plain UPDATE's new tuple, a DELETE's old key,
-are the row as sent, and their keys are cut out of all of a package's tuples at once
-(siphon_core.wire.tuple_columns). Events that need values rearranged (an older column list, an
-UPDATE carrying its old row) take the per-value path.
+are the row as sent. Events that need values rearranged (an older column list, an UPDATE carrying
+its old row) take the per-value path.
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import decode_package
-from siphon_core.wire.tuple_columns import MalformedTupleError, split_tuples
+from siphon_core.wire.tuple_columns import MalformedTupleError, TupleColumns, split_tuples
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST, TupleDataError, Value, decode_tuple, encode_tuple
+from siphon_dagster.streaming.fold import VERSION_TYPE
 
 INPUT_SCHEMA = pa.schema([pa.field("seq", pa.int64(), nullable=False), pa.field("payload", pa.binary())])
 DECODED_SCHEMA = pa.schema([
@@ -49,14 +53,13 @@ DECODED_SCHEMA = pa.schema([
     pa.field("_op", pa.int8()),
     pa.field("_lsn", pa.int64()),
     pa.field("_pos", pa.int64()),
+    pa.field("_seq", pa.int64()),
     pa.field("_reset", pa.bool_()),
     pa.field("_origin", pa.binary()),
     pa.field("_row", pa.binary()),
 ])
-# The same layout as a Spark DDL string (what `mapInArrow` is given).
-DECODED_DDL = ("_key binary, _op tinyint, _lsn bigint, _pos bigint, _reset boolean, _origin binary, "
-               "_row binary")
 _INSERTS = (pb.INSERT, pb.SNAPSHOT)
+_INSERT, _UPDATE, _DELETE, _TRUNCATE, _SNAPSHOT = pb.INSERT, pb.UPDATE, pb.DELETE, pb.TRUNCATE, pb.SNAPSHOT
 _MISSING = -1  # a column of the batch's list that an older package does not have
 
 
@@ -66,10 +69,12 @@ def value_column(position: int) -> str:
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """What executors need: the batch's newest column list and its primary key, by name."""
+    """What executors need: the batch's newest column list and its primary key, by name, and the
+    table's name for errors."""
 
     columns: tuple[str, ...]
     key_columns: tuple[str, ...]
+    table: str = ""
 
     @property
     def key_positions(self) -> list[int]:
@@ -98,32 +103,20 @@ class _Rows:
         self.origins.append(origin)
         self.rows.append(row)
 
-    def arrays(self) -> list[pa.Array]:
-        return [pa.array(self.keys, pa.binary()), pa.array(self.ops, pa.int8()), pa.array(self.lsns, pa.int64()),
-                pa.array(self.positions, pa.int64()), pa.array(self.resets, pa.bool_()),
-                pa.array(self.origins, pa.binary()), pa.array(self.rows, pa.binary())]
-
-
-class _FastRows:
-    """Events whose row is one of their tuples as sent, gathered in one pass."""
-
-    def __init__(self) -> None:
-        self.events: list[pb.Event] = []
-        self.ops: list[int] = []
-        self.lsns: list[int] = []
-        self.positions: list[int] = []
-        self.rows: list[bytes] = []
-
-    def add(self, event: pb.Event, op: int, row: bytes) -> None:
-        self.events.append(event)
-        self.ops.append(op)
-        self.lsns.append(event.commit_lsn)
-        self.positions.append(event.position)
-        self.rows.append(row)
+    def batch(self, seq: int) -> pa.RecordBatch:
+        count = len(self.ops)
+        return pa.RecordBatch.from_arrays(
+            [pa.array(self.keys, pa.binary()), pa.array(self.ops, pa.int8()), pa.array(self.lsns, pa.int64()),
+             pa.array(self.positions, pa.int64()), pa.array(np.full(count, seq, np.int64)),
+             pa.array(self.resets, pa.bool_()), pa.array(self.origins, pa.binary()), pa.array(self.rows, pa.binary())],
+            schema=DECODED_SCHEMA)
 
 
 class PackageDecoder:
-    """Turns one package into change rows aligned to `spec` (callable on executors, picklable)."""
+    """Turns one package into change rows aligned to `spec` (callable on executors, picklable).
+
+    The rows' keys are left NULL where they are to be cut out of `_row` (`locate_changes` does that
+    for all packages of a task at once)."""
 
     def __init__(self, spec: DecodeSpec) -> None:
         self.spec = spec
@@ -141,42 +134,50 @@ class PackageDecoder:
         if package.value_encoding != pb.PGOUTPUT_TUPLE:
             raise ValueError(f"{where}: value encoding {package.value_encoding} is not supported by this consumer")
         align = self._alignment(package, where)
-        key_positions = self.spec.key_positions
-        slow = _Rows()
-        fast = _FastRows()
-        for event in package.events:
-            op = event.operation
-            if align is None and (op in _INSERTS or (op == pb.UPDATE and not event.HasField("old_row"))):
-                fast.add(event, op, event.new_row.tuple)
-            elif align is None and op == pb.DELETE and event.HasField("old_row"):
-                fast.add(event, op, event.old_row.tuple)
-            else:
+        events = package.events
+        # The common events in one tight loop: per event this is most of the decoder's Python.
+        ops: list[int] = []
+        lsns: list[int] = []
+        positions: list[int] = []
+        rows: list[bytes] = []
+        others: list[pb.Event] = []
+        if align is None:
+            for event in events:
+                op = event.operation
+                if op == _UPDATE:
+                    if event.HasField("old_row"):
+                        others.append(event)
+                        continue
+                    row = event.new_row.tuple
+                elif op in _INSERTS:
+                    row = event.new_row.tuple
+                elif op == _DELETE and event.HasField("old_row"):
+                    row = event.old_row.tuple
+                else:
+                    others.append(event)
+                    continue
+                ops.append(op)
+                lsns.append(event.commit_lsn)
+                positions.append(event.position)
+                rows.append(row)
+        else:
+            others = list(events)
+        if ops:
+            op_array = np.array(ops, np.int8)
+            yield pa.RecordBatch.from_arrays(
+                [pa.nulls(len(ops), pa.binary()), pa.array(op_array), pa.array(lsns, pa.int64()),
+                 pa.array(positions, pa.int64()), pa.array(np.full(len(ops), seq, np.int64)),
+                 pa.array(op_array != _UPDATE), pa.nulls(len(ops), pa.binary()), pa.array(rows, pa.binary())],
+                schema=DECODED_SCHEMA)
+        if others:
+            slow = _Rows()
+            key_positions = self.spec.key_positions
+            for event in others:
                 try:
                     self._event(slow, event, align, key_positions)
                 except ValueError as error:  # TupleDataError included
-                    raise _event_error(where, package, event, error) from None
-        if fast.events:
-            yield self._fast_batch(fast, key_positions, where, package)
-        if slow.ops:
-            yield pa.RecordBatch.from_arrays(slow.arrays(), schema=DECODED_SCHEMA)
-
-    def _fast_batch(self, fast: _FastRows, key_positions: list[int], where: str,
-                    package: pb.Package) -> pa.RecordBatch:
-        """Events whose row is a tuple as sent: every key cut out at once, no value touched."""
-        tuples = pa.array(fast.rows, pa.binary())
-        try:
-            located = split_tuples(tuples, len(self.spec.columns))  # every row checked, not only its key
-        except MalformedTupleError as error:
-            raise _event_error(where, package, fast.events[error.row], TupleDataError(error.detail)) from None
-        keys = located.key(key_positions)
-        if keys.null_count:
-            row = keys.is_null().to_pylist().index(True)
-            raise _event_error(where, package, fast.events[row], ValueError(_missing_key_message(fast.ops[row])))
-        resets = [op != pb.UPDATE for op in fast.ops]
-        arrays = [keys, pa.array(fast.ops, pa.int8()), pa.array(fast.lsns, pa.int64()),
-                  pa.array(fast.positions, pa.int64()), pa.array(resets, pa.bool_()),
-                  pa.nulls(len(fast.events), pa.binary()), tuples]
-        return pa.RecordBatch.from_arrays(arrays, schema=DECODED_SCHEMA)
+                    raise _event_error(where, self.spec.table, event.commit_lsn, event.position, error) from None
+            yield slow.batch(seq)
 
     def _alignment(self, package: pb.Package, where: str) -> list[int] | None:
         """Package column index for each output column, or None when the lists are the same."""
@@ -227,17 +228,51 @@ class PackageDecoder:
         rows.add(key, pb.UPDATE, event, True, old_key, encode_tuple(new))
 
 
-def split_values(rows: pa.Table, column_count: int, positions: Sequence[int] | None = None) -> pa.Table:
-    """`rows` with `_row` replaced by `_unchanged` and the value columns `c<i>` (all, or those at
-    `positions`), as binary; on the driver, after the fold."""
-    index = rows.schema.get_field_index("_row")
-    located = split_tuples(rows.column(index), column_count)
-    wanted = range(column_count) if positions is None else positions
-    rows = rows.remove_column(index)
-    rows = rows.append_column("_unchanged", located.unchanged())
-    for position in wanted:
-        rows = rows.append_column(value_column(position), located.values(position).cast(pa.binary()))
-    return rows
+@dataclass(frozen=True)
+class LocatedChanges:
+    """Decoded changes with every key filled, and where each value of `_row` lies."""
+
+    changes: pa.Table  # DECODED_SCHEMA, one chunk
+    located: TupleColumns
+
+    def take(self, rows: np.ndarray, positions: Sequence[int] | None = None) -> pa.Table:
+        """The changes at `rows`, `_row` replaced by `_unchanged` and the value columns `c<i>` (all,
+        or those at `positions`) as binary."""
+        rows = np.asarray(rows, np.int64)
+        taken = self.changes.drop_columns(["_row"]).take(pa.array(rows))
+        taken = taken.append_column("_unchanged", self.located.unchanged(rows))
+        wanted = range(self.located.column_count) if positions is None else positions
+        for position, values in zip(wanted, self.located.columns(wanted, rows), strict=True):
+            taken = taken.append_column(value_column(position), values)
+        return taken
+
+
+def locate_changes(parts: Sequence[pa.RecordBatch], spec: DecodeSpec) -> LocatedChanges:
+    """Splits the tuples of all `parts` at once and fills the keys the decoder left NULL."""
+    changes = pa.Table.from_batches(parts, DECODED_SCHEMA).combine_chunks()
+    try:
+        located = split_tuples(changes.column("_row"), len(spec.columns))  # every row checked, not only its key
+    except MalformedTupleError as error:
+        raise _row_error(changes, spec.table, error.row, TupleDataError(error.detail)) from None
+    given = changes.column("_key")
+    if given.null_count:
+        keys = pc.coalesce(given, located.key(spec.key_positions))
+        ops = changes.column("_op").to_numpy()
+        missing = keys.is_null().to_numpy(zero_copy_only=False) & (ops != _TRUNCATE)
+        if missing.any():
+            row = int(np.flatnonzero(missing)[0])
+            raise _row_error(changes, spec.table, row, ValueError(_missing_key_message(int(ops[row]))))
+        changes = changes.set_column(0, "_key", keys)
+    return LocatedChanges(changes, located)
+
+
+def folded_schema(column_count: int, positions: Sequence[int] | None = None) -> pa.Schema:
+    """The layout of `LocatedChanges.take` with `_version` (what the Spark plan hands back)."""
+    fields = [f for f in DECODED_SCHEMA if f.name != "_row"]
+    fields.append(pa.field("_unchanged", pa.list_(pa.int32())))
+    fields += [pa.field(value_column(p), pa.binary()) for p in (range(column_count) if positions is None else positions)]
+    fields.append(pa.field("_version", VERSION_TYPE))
+    return pa.schema(fields)
 
 
 def _missing_key_message(op: int) -> str:
@@ -249,9 +284,14 @@ def _missing_key_message(op: int) -> str:
             "on the source table")
 
 
-def _event_error(where: str, package: pb.Package, event: pb.Event, error: Exception) -> ValueError:
-    return ValueError(f"{where}, table {package.schema}.{package.table}, event at LSN "
-                      f"{naming.format_lsn(event.commit_lsn)} position {event.position}: {error}")
+def _event_error(where: str, table: str, lsn: int, position: int, error: Exception) -> ValueError:
+    in_table = f", table {table}" if table else ""
+    return ValueError(f"{where}{in_table}, event at LSN {naming.format_lsn(lsn)} position {position}: {error}")
+
+
+def _row_error(changes: pa.Table, table: str, row: int, error: Exception) -> ValueError:
+    return _event_error(f"stream sequence {changes.column('_seq')[row].as_py()}", table,
+                        changes.column("_lsn")[row].as_py(), changes.column("_pos")[row].as_py(), error)
 
 
 def _values(data: bytes, align: list[int] | None) -> list[Value]:

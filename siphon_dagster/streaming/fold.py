@@ -9,13 +9,15 @@ It runs on Arrow tables in Spark's Python workers (siphon_dagster.streaming.spar
 each task's decoded changes before the shuffle, once over each key bucket after it. Folding parts
 first is exact: the latest change of a key is the latest of its parts' latest changes.
 
-The latest row keeps its values as one TupleData (`_row`); its unchanged TOASTed values are filled
-afterwards from the batch's history of the key, the target or the source
-(siphon_dagster.streaming.toast).
+Keys are dictionary-encoded first, so the sort compares integers, never the key bytes.
+
+The latest row's unchanged TOASTed values are filled afterwards from the batch's history of the
+key, the target or the source (siphon_dagster.streaming.toast).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -23,27 +25,35 @@ from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 
 VERSION_TYPE = pa.decimal128(38, 0)
-_NEWEST_FIRST = [("_key", "ascending"), ("_lsn", "descending"), ("_pos", "descending")]
+
+
+def latest_indices(changes: pa.Table, truncated_at: int | None = None) -> np.ndarray:
+    """Indices into `changes` (columns `_key`, `_op`, `_lsn`, `_pos`) of each key's latest change;
+    TRUNCATE rows, and changes at or before `truncated_at` (the version of the batch's last
+    TRUNCATE, if any), are left out."""
+    keep = changes.column("_op").to_numpy() != pb.TRUNCATE
+    lsns = _numpy(changes.column("_lsn"))
+    positions = _numpy(changes.column("_pos"))
+    if truncated_at is not None:
+        lsn, position = naming.split_version(truncated_at)
+        keep &= (lsns > lsn) | ((lsns == lsn) & (positions > position))
+    candidates = np.flatnonzero(keep)
+    if candidates.size < 2:
+        return candidates
+    keys = changes.column("_key").take(pa.array(candidates)).combine_chunks().dictionary_encode().indices
+    key_ids = keys.to_numpy()
+    # Ascending by key, then version: the last row of each key is its latest change.
+    order = np.lexsort((positions[candidates], lsns[candidates], key_ids))
+    sorted_ids = key_ids[order]
+    last = np.empty(order.size, bool)
+    last[-1] = True
+    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=last[:-1])
+    return candidates[order[last]]
 
 
 def fold_changes(changes: pa.Table, truncated_at: int | None = None) -> pa.Table:
-    """One row per key, its latest change, in the layout of `changes` (decode.DECODED_SCHEMA).
-
-    `truncated_at` is the version of the batch's last TRUNCATE, if any.
-    """
-    rows = changes.filter(pc.not_equal(changes.column("_op"), pa.scalar(pb.TRUNCATE, pa.int8())))
-    if truncated_at is not None:
-        rows = rows.filter(_after(rows, truncated_at))
-    if rows.num_rows < 2:
-        return rows
-    order = pc.sort_indices(rows, sort_keys=_NEWEST_FIRST)
-    keys = rows.column("_key").take(order)
-    # Sorted by key, newest first: a row whose key differs from the row before it is its key's
-    # latest. Only the keys are reordered; the rows are copied once, survivors only.
-    changed = pc.not_equal(keys.slice(1), keys.slice(0, rows.num_rows - 1))
-    first = pa.chunked_array([pa.array([True]), *changed.chunks]) if isinstance(changed, pa.ChunkedArray) else \
-        pa.concat_arrays([pa.array([True]), changed])
-    return rows.take(pc.filter(order, first))
+    """One row per key, its latest change, in the layout of `changes`."""
+    return changes.take(pa.array(latest_indices(changes, truncated_at), pa.int64()))
 
 
 def with_version(rows: pa.Table) -> pa.Table:
@@ -53,7 +63,5 @@ def with_version(rows: pa.Table) -> pa.Table:
     return rows.append_column(pa.field("_version", VERSION_TYPE), version)
 
 
-def _after(rows: pa.Table, version: int) -> pa.ChunkedArray:
-    lsn, position = naming.split_version(version)
-    lsns, positions = rows.column("_lsn"), rows.column("_pos")
-    return pc.or_(pc.greater(lsns, lsn), pc.and_(pc.equal(lsns, lsn), pc.greater(positions, position)))
+def _numpy(column: pa.ChunkedArray) -> np.ndarray:
+    return column.to_numpy() if column.null_count == 0 else column.fill_null(0).to_numpy()

@@ -1,9 +1,10 @@
 """The Spark work of a micro-batch: decode on the executors, shuffle by key, fold, collect.
 
     packages (seq, payload)            one row per package, spread over the executors
-      -> decode stage (mapInArrow)     decode, fold each task's changes, cut them into key buckets
+      -> decode stage (mapInArrow)     decode, fold each task's changes, split the survivors' values
+                                       into columns, cut them into key buckets
       -> shuffle by bucket             every change of a key meets in one task
-      -> fold stage (mapInArrow)       fold each bucket, split the survivors' values into columns
+      -> fold stage (mapInArrow)       fold each bucket
       -> collect (toArrow)             the folded rows on the driver
 
 Rows between the stages are Arrow IPC streams of many changes (`_blob`), not one Spark row per
@@ -19,6 +20,7 @@ import threading
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
@@ -29,13 +31,13 @@ from siphon_core.wire.packages import encode_package
 from siphon_core.wire.tuple_data import encode_tuple
 from siphon_dagster.streaming.batch import ReceivedPackage, describe
 from siphon_dagster.streaming.decode import (
-    DECODED_SCHEMA,
     INPUT_SCHEMA,
     DecodeSpec,
     PackageDecoder,
-    split_values,
+    folded_schema,
+    locate_changes,
 )
-from siphon_dagster.streaming.fold import fold_changes, with_version
+from siphon_dagster.streaming.fold import fold_changes, latest_indices, with_version
 from siphon_dagster.streaming.spark_session import is_remote, shuffle_partitions
 
 BUCKETED_DDL = "_bucket int, _blob binary"
@@ -51,12 +53,12 @@ _bucket_ids_lock = threading.Lock()
 
 def folded_rows(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec,
                 truncated_at: int | None) -> pa.Table:
-    """One row per key of the batch, its latest change: `_key, _op, _lsn, _pos, _reset, _origin,
-    _version, _unchanged, c0..cN` (values as binary)."""
+    """One row per key of the batch, its latest change, laid out as `decode.folded_schema`: `_key,
+    _op, _lsn, _pos, _seq, _reset, _origin, _unchanged, c0..cN` (values as binary), `_version`."""
     buckets = bucket_ids(spark)
     decoded = _package_frame(spark, packages).mapInArrow(DecodeStage(spec, buckets, truncated_at), BUCKETED_DDL)
-    folded = decoded.repartition(len(buckets), "_bucket").mapInArrow(FoldStage(len(spec.columns)), BLOB_DDL)
-    return _collect(folded, split_values(with_version(DECODED_SCHEMA.empty_table()), len(spec.columns)).schema)
+    folded = decoded.repartition(len(buckets), "_bucket").mapInArrow(FoldStage(), BLOB_DDL)
+    return _collect(folded, folded_schema(len(spec.columns)))
 
 
 def warm_up(spark: SparkSession) -> None:
@@ -68,16 +70,16 @@ def warm_up(spark: SparkSession) -> None:
     event = warm.events.add(operation=pb.INSERT, commit_lsn=1, position=1)
     event.new_row.tuple = encode_tuple([b"1"])
     packages = [describe(warm, (sequence,), encode_package(warm)) for sequence in range(1, 1 + shuffle_partitions(spark))]
-    folded_rows(spark, packages, DecodeSpec(("id",), ("id",)), None)
+    folded_rows(spark, packages, DecodeSpec(("id",), ("id",), "siphon.warm_up"), None)
 
 
 def key_history(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec, keys: Sequence[bytes],
                 positions: Sequence[int]) -> pa.Table:
     """Every change of these keys in the batch, unfolded, with `_version`, `_unchanged` and the value
     columns at `positions`; decodes the batch again, which only unchanged TOASTed values cost."""
-    stage = DecodeStage(spec, [0], None, keys=frozenset(keys))
-    changes = _collect(_package_frame(spark, packages).mapInArrow(stage, BUCKETED_DDL), DECODED_SCHEMA)
-    return split_values(with_version(changes), len(spec.columns), positions)
+    stage = DecodeStage(spec, [0], None, keys=frozenset(keys), positions=tuple(positions))
+    return _collect(_package_frame(spark, packages).mapInArrow(stage, BUCKETED_DDL),
+                    folded_schema(len(spec.columns), positions))
 
 
 def bucket_ids(spark: SparkSession) -> list[int]:
@@ -102,11 +104,12 @@ class DecodeStage:
     """Executors: packages in, bucketed IPC blobs of folded changes out (picklable)."""
 
     def __init__(self, spec: DecodeSpec, buckets: Sequence[int], truncated_at: int | None,
-                 keys: frozenset[bytes] | None = None) -> None:
+                 keys: frozenset[bytes] | None = None, positions: tuple[int, ...] | None = None) -> None:
         self.spec = spec
         self.buckets = list(buckets)
         self.truncated_at = truncated_at
-        self.keys = keys  # history: only these keys, nothing folded
+        self.keys = keys  # history: only these keys, nothing folded, values at `positions`
+        self.positions = positions
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         decoder = PackageDecoder(self.spec)
@@ -124,37 +127,40 @@ class DecodeStage:
             yield from self._flush(parts)
 
     def _flush(self, parts: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        changes = pa.Table.from_batches(parts, DECODED_SCHEMA)
+        decoded = locate_changes(parts, self.spec)
         if self.keys is not None:
-            wanted = pc.is_in(changes.column("_key"), value_set=pa.array(sorted(self.keys), pa.binary()))
-            yield _bucketed(self.buckets[0], changes.filter(wanted))
+            wanted = pc.is_in(decoded.changes.column("_key"), value_set=pa.array(sorted(self.keys), pa.binary()))
+            rows = np.flatnonzero(wanted.to_numpy(zero_copy_only=False))
+            yield _bucketed(self.buckets[0], with_version(decoded.take(rows, self.positions)))
             return
-        changes = fold_changes(changes, self.truncated_at)
+        latest = latest_indices(decoded.changes, self.truncated_at)
         if len(self.buckets) == 1:
-            yield _bucketed(self.buckets[0], changes)
+            yield _bucketed(self.buckets[0], decoded.take(latest))
             return
         # crc32 is the same in every worker process, unlike Python's salted hash().
-        slots = pa.array([zlib.crc32(key) % len(self.buckets) for key in changes.column("_key").to_pylist()],
-                         pa.int32())
-        for slot, bucket in enumerate(self.buckets):
-            part = changes.filter(pc.equal(slots, slot))
-            if part.num_rows:
-                yield _bucketed(bucket, part)
+        keys = decoded.changes.column("_key").take(pa.array(latest)).to_pylist()
+        slots = np.fromiter((zlib.crc32(key) for key in keys), np.uint32, len(keys)) % len(self.buckets)
+        # Rows ordered by bucket: the values are copied once, and each bucket is a slice.
+        order = np.argsort(slots, kind="stable")
+        changes = decoded.take(latest[order])
+        ends = np.searchsorted(slots[order], np.arange(1, len(self.buckets) + 1))
+        begin = 0
+        for bucket, end in zip(self.buckets, ends.tolist(), strict=True):
+            if end > begin:
+                yield _bucketed(bucket, changes.slice(begin, end - begin))
+            begin = end
 
 
 class FoldStage:
-    """Executors: the blobs of one bucket in, its folded rows with split values out (picklable)."""
-
-    def __init__(self, column_count: int) -> None:
-        self.column_count = column_count
+    """Executors: the blobs of one bucket in, its folded rows out (picklable)."""
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         tables = [_read_blob(blob) for batch in batches for blob in _blobs(batch)]
         if not tables:
             return
-        folded = fold_changes(pa.concat_tables(tables))
-        rows = split_values(with_version(folded), self.column_count)
-        yield pa.RecordBatch.from_arrays([_one_binary(_write_blob(rows))], names=["_blob"])
+        # One piece was folded whole by its decode task; several may share keys.
+        folded = tables[0] if len(tables) == 1 else fold_changes(pa.concat_tables(tables))
+        yield pa.RecordBatch.from_arrays([_one_binary(_write_blob(with_version(folded)))], names=["_blob"])
 
 
 def _package_frame(spark: SparkSession, packages: Sequence[ReceivedPackage]) -> DataFrame:

@@ -12,7 +12,7 @@ from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_dagster.streaming import spark_plan
-from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec
+from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec, locate_changes
 from siphon_dagster.streaming.fold import fold_changes
 from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
 
@@ -59,7 +59,7 @@ def _run_stages(packages: list[pb.Package], buckets: list[int]) -> pa.Table:
     assert set(by_bucket) <= set(buckets)
     folded = [spark_plan._read_blob(blob)
               for bucket in by_bucket.values()
-              for out in spark_plan.FoldStage(len(SPEC.columns))(iter(bucket))
+              for out in spark_plan.FoldStage()(iter(bucket))
               for blob in spark_plan._blobs(out)]
     return pa.concat_tables(folded)
 
@@ -82,9 +82,9 @@ def test_any_cut_into_pieces_and_buckets_keeps_each_keys_latest_change(monkeypat
 
 
 def test_changes_up_to_the_last_truncate_are_dropped():
-    changes = pa.Table.from_batches(list(spark_plan.PackageDecoder(SPEC).decode(1, encode_package(package([
+    changes = locate_changes(list(spark_plan.PackageDecoder(SPEC).decode(1, encode_package(package([
         insert(10, "1", "a", "1"), truncate(11), insert(12, "2", "b", "2"), update(13, "1", "c", "3"),
-    ])))))
+    ])))), SPEC).changes
 
     folded = fold_changes(changes, naming.row_version(11, 1))
 
