@@ -26,7 +26,7 @@ from siphon_core.wire.tuple_data import TupleDataError
 
 TEXT, BINARY, NULL, UNCHANGED = b"tbnu"
 _INT32_MAX = np.iinfo(np.int32).max
-# Error codes of the walk.
+# Error codes of the check.
 _WRONG_COUNT, _UNKNOWN_KIND, _TRUNCATED, _TRAILING = 1, 2, 3, 4
 
 
@@ -41,22 +41,19 @@ class MalformedTupleError(TupleDataError):
 
 @dataclass(frozen=True)
 class TupleColumns:
-    """Where every value of every row lies in the buffer of the TupleData column."""
+    """A column of well-formed TupleData (checked by `split_tuples`), ready to have its values
+    copied out. Nothing per value is stored: each pass walks the rows it is asked for again, which
+    costs a few nanoseconds a column, far less than writing and reading back a location per value."""
 
     buffer: pa.Buffer  # the Arrow column's value bytes
     data: np.ndarray  # the same bytes as a NumPy array
+    offsets: np.ndarray  # (rows + 1,) int64: where each row's TupleData starts, and the last one ends
     present: np.ndarray  # (rows,) bool: the row has a TupleData (not NULL)
-    kinds: np.ndarray  # (rows, columns) uint8: b't', b'b', b'n' or b'u' (b'n' for absent rows)
-    starts: np.ndarray  # (rows, columns) int64: offset of each value's first byte
-    lengths: np.ndarray  # (rows, columns) int64: 0 unless the kind is b't' or b'b'
+    column_count: int
 
     @property
     def row_count(self) -> int:
         return self.present.shape[0]
-
-    @property
-    def column_count(self) -> int:
-        return self.kinds.shape[1]
 
     def values(self, column: int, rows: np.ndarray | None = None) -> pa.Array:
         """Column `column`'s values (of the rows at indices `rows`, or of all), copied into a binary
@@ -65,17 +62,20 @@ class TupleColumns:
 
     def columns(self, columns: Sequence[int], rows: np.ndarray | None = None) -> list[pa.Array]:
         """`values` of several columns, copied in one pass over the rows."""
-        wanted = np.asarray(columns, np.int64)
-        offsets, out, bases, valid = _gather_values(self.data, self.starts, self.lengths, self.kinds,
-                                                    self._rows(rows), wanted)
-        return [_binary_array(offsets[i], out[bases[i]:bases[i + 1]], valid[i]) for i in range(wanted.shape[0])]
+        slots = np.full(self.column_count, -1, np.int64)  # output slot of each wanted column
+        slots[np.asarray(columns, np.int64)] = np.arange(len(columns))
+        offsets, out, bases, valid = _gather_values(self.data, self.offsets, self.present, self._rows(rows),
+                                                    self.column_count, slots, len(columns))
+        return [_binary_array(offsets[i], out[bases[i]:bases[i + 1]], valid[i]) for i in range(len(columns))]
 
     def unchanged(self, rows: np.ndarray | None = None) -> pa.Array:
         """Per row (at indices `rows`, or all), the positions of unchanged TOASTed values (NULL
         when there are none)."""
-        offsets, positions = _unchanged_positions(self.kinds, self._rows(rows))
-        counts = np.diff(offsets)
-        mask = pa.array(counts == 0, pa.bool_())
+        offsets, positions = _unchanged_positions(self.data, self.offsets, self.present, self._rows(rows),
+                                                  self.column_count)
+        if positions.shape[0] == 0:
+            return pa.nulls(offsets.shape[0] - 1, pa.list_(pa.int32()))
+        mask = pa.array(np.diff(offsets) == 0, pa.bool_())
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(positions, pa.int32()),
                                         mask=mask)
 
@@ -83,8 +83,12 @@ class TupleColumns:
         """The TupleData of the columns at `positions` per row, as `tuple_data.encode_tuple` writes
         it for text values: the count, then each column's bytes copied as they are. Rows where one
         of them is not a value (NULL, unchanged, absent row) get NULL."""
-        offsets, out, valid = _gather_keys(self.data, self.starts, self.lengths, self.kinds,
-                                           np.asarray(positions, np.int64))
+        if len(set(positions)) != len(positions):
+            raise ValueError(f"key positions must be distinct, not {positions}")
+        wanted = np.full(self.column_count, -1, np.int64)  # place of each key column in the key
+        wanted[np.asarray(positions, np.int64)] = np.arange(len(positions))
+        offsets, out, valid = _gather_keys(self.data, self.offsets, self.present, self.column_count, wanted,
+                                           len(positions))
         return _binary_array(offsets, out, valid)
 
     def _rows(self, rows: np.ndarray | None) -> np.ndarray:
@@ -92,7 +96,7 @@ class TupleColumns:
 
 
 def split_tuples(tuples: pa.Array | pa.ChunkedArray, column_count: int) -> TupleColumns:
-    """Locates the values of a binary column of TupleData with `column_count` columns each.
+    """Checks a binary column of TupleData with `column_count` columns each, and readies it.
 
     A NULL row stands for no tuple (every value NULL). Raises MalformedTupleError naming the first
     malformed row.
@@ -110,11 +114,7 @@ def split_tuples(tuples: pa.Array | pa.ChunkedArray, column_count: int) -> Tuple
         data_buffer = pa.py_buffer(b"\0")
     data = np.frombuffer(data_buffer, np.uint8)
     present = tuples.is_valid().to_numpy(zero_copy_only=False) if tuples.null_count else np.ones(rows, bool)
-    kinds = np.empty((rows, column_count), np.uint8)
-    starts = np.empty((rows, column_count), np.int64)
-    lengths = np.empty((rows, column_count), np.int64)
-    error = _walk(data, offsets, present, column_count, kinds, starts, lengths)
-    row, code, detail_a, detail_b = (int(value) for value in error)
+    row, code, detail_a, detail_b = (int(value) for value in _check(data, offsets, present, column_count))
     if code == _WRONG_COUNT:
         raise MalformedTupleError(row, f"the tuple has {detail_a} columns, expected {column_count}")
     if code == _UNKNOWN_KIND:
@@ -123,7 +123,7 @@ def split_tuples(tuples: pa.Array | pa.ChunkedArray, column_count: int) -> Tuple
         raise MalformedTupleError(row, f"truncated TupleData: its values need {detail_a} bytes, it has {detail_b}")
     if code == _TRAILING:
         raise MalformedTupleError(row, f"{detail_b - detail_a} bytes follow the tuple's last value")
-    return TupleColumns(data_buffer, data, present, kinds, starts, lengths)
+    return TupleColumns(data_buffer, data, offsets, present, column_count)
 
 
 def _binary_array(offsets: np.ndarray, out: np.ndarray, valid: np.ndarray) -> pa.Array:
@@ -136,6 +136,10 @@ def _binary_array(offsets: np.ndarray, out: np.ndarray, valid: np.ndarray) -> pa
                                                    pa.py_buffer(out)], null_count=nulls)
 
 
+# The compiled loops. Kind bytes: b"t" 116, b"b" 98 (Int32 length, then the value), b"n" 110,
+# b"u" 117 (no bytes). They run on rows `_check` accepted, so they read within each row.
+
+
 @numba.njit(cache=True, nogil=True)
 def _failure(row, code, a, b):  # pragma: no cover - compiled
     error = np.empty(4, np.int64)
@@ -144,15 +148,10 @@ def _failure(row, code, a, b):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _walk(data, offsets, present, column_count, kinds, starts, lengths):  # pragma: no cover - compiled
-    """Fills kinds/starts/lengths row by row; returns (row, code, a, b) of the first malformed row
-    (code 0: none)."""
+def _check(data, offsets, present, column_count):  # pragma: no cover - compiled
+    """(row, code, a, b) of the first malformed row; code 0 when every row is well formed."""
     for row in range(present.shape[0]):
         if not present[row]:
-            for column in range(column_count):
-                kinds[row, column] = 110  # b"n"
-                starts[row, column] = 0
-                lengths[row, column] = 0
             continue
         begin, end = offsets[row], offsets[row + 1]
         if end - begin < 2:
@@ -165,18 +164,11 @@ def _walk(data, offsets, present, column_count, kinds, starts, lengths):  # prag
             if pos >= end:
                 return _failure(row, 3, pos + 1 - begin, end - begin)
             kind = data[pos]
-            kinds[row, column] = kind
-            if kind == 116 or kind == 98:  # b"t", b"b": Int32 length, then the value
+            if kind == 116 or kind == 98:
                 if pos + 5 > end:
                     return _failure(row, 3, pos + 5 - begin, end - begin)
-                length = ((np.int64(data[pos + 1]) << 24) | (np.int64(data[pos + 2]) << 16)
-                          | (np.int64(data[pos + 3]) << 8) | np.int64(data[pos + 4]))
-                starts[row, column] = pos + 5
-                lengths[row, column] = length
-                pos += 5 + length
-            elif kind == 110 or kind == 117:  # b"n", b"u"
-                starts[row, column] = pos + 1
-                lengths[row, column] = 0
+                pos += 5 + _length(data, pos)
+            elif kind == 110 or kind == 117:
                 pos += 1
             else:
                 return _failure(row, 2, column, kind)
@@ -185,85 +177,137 @@ def _walk(data, offsets, present, column_count, kinds, starts, lengths):  # prag
     return _failure(0, 0, 0, 0)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _length(data, pos):  # pragma: no cover - compiled
+    return ((np.int64(data[pos + 1]) << 24) | (np.int64(data[pos + 2]) << 16)
+            | (np.int64(data[pos + 3]) << 8) | np.int64(data[pos + 4]))
+
+
 @numba.njit(cache=True, nogil=True)
-def _gather_values(data, starts, lengths, kinds, rows, columns):  # pragma: no cover - compiled
-    """Binary column parts of `columns` at `rows`: per column its offsets, its bytes (one buffer,
-    column i at bases[i]:bases[i + 1]) and validity. Rows are visited in order, all their columns
-    at once: the locations of a row lie together."""
-    count, width = rows.shape[0], columns.shape[0]
-    offsets = np.empty((width, count + 1), np.int64)
-    valid = np.empty((width, count), np.bool_)
-    offsets[:, 0] = 0
+def _gather_values(data, offsets, present, rows, column_count, slots, width):  # pragma: no cover - compiled
+    """Binary column parts of the columns with a slot (>= 0) at `rows`: per slot its offsets, its
+    bytes (one buffer, slot i at bases[i]:bases[i + 1]) and validity. Each row is walked twice: to
+    size the output, then to copy."""
+    count = rows.shape[0]
+    sizes = np.zeros((width, count + 1), np.int64)  # becomes the offsets
+    valid = np.zeros((width, count), np.bool_)
     for i in range(count):
         row = rows[i]
-        for j in range(width):
-            kind = kinds[row, columns[j]]
-            sized = kind == 116 or kind == 98
-            valid[j, i] = sized
-            offsets[j, i + 1] = offsets[j, i] + (lengths[row, columns[j]] if sized else 0)
+        if present[row]:
+            pos = offsets[row] + 2
+            for column in range(column_count):
+                kind = data[pos]
+                if kind == 116 or kind == 98:
+                    length = _length(data, pos)
+                    slot = slots[column]
+                    if slot >= 0:
+                        valid[slot, i] = True
+                        sizes[slot, i + 1] = length
+                    pos += 5 + length
+                else:
+                    pos += 1
     bases = np.zeros(width + 1, np.int64)
     for j in range(width):
-        bases[j + 1] = bases[j] + offsets[j, count]
+        for i in range(count):
+            sizes[j, i + 1] += sizes[j, i]
+        bases[j + 1] = bases[j] + sizes[j, count]
     out = np.empty(bases[width], np.uint8)
     for i in range(count):
         row = rows[i]
-        for j in range(width):
-            if valid[j, i]:
-                start, at = starts[row, columns[j]], bases[j] + offsets[j, i]
-                for k in range(offsets[j, i + 1] - offsets[j, i]):
-                    out[at + k] = data[start + k]
-    return offsets, out, bases, valid
+        if present[row]:
+            pos = offsets[row] + 2
+            for column in range(column_count):
+                kind = data[pos]
+                if kind == 116 or kind == 98:
+                    length = _length(data, pos)
+                    slot = slots[column]
+                    if slot >= 0:
+                        at = bases[slot] + sizes[slot, i]
+                        out[at:at + length] = data[pos + 5:pos + 5 + length]
+                    pos += 5 + length
+                else:
+                    pos += 1
+    return sizes, out, bases, valid
 
 
 @numba.njit(cache=True, nogil=True)
-def _gather_keys(data, starts, lengths, kinds, positions):  # pragma: no cover - compiled
-    """Per row, the Int16 count and each key column's kind, length and bytes as sent."""
-    count = kinds.shape[0]
-    offsets = np.empty(count + 1, np.int64)
-    valid = np.empty(count, np.bool_)
-    offsets[0] = 0
+def _gather_keys(data, offsets, present, column_count, wanted, width):  # pragma: no cover - compiled
+    """Per row, the Int16 count and each wanted column's kind, length and bytes as sent."""
+    count = present.shape[0]
+    spans = np.zeros((count, width, 2), np.int64)  # (start, size) of each key column's bytes as sent
+    sizes = np.zeros(count + 1, np.int64)
+    valid = np.zeros(count, np.bool_)
     for row in range(count):
-        size = 2
+        if not present[row]:
+            continue
+        pos = offsets[row] + 2
+        found = 0
         ok = True
-        for position in positions:
-            kind = kinds[row, position]
-            if kind != 116 and kind != 98:
-                ok = False
-                break
-            size += 5 + lengths[row, position]
-        valid[row] = ok
-        offsets[row + 1] = offsets[row] + (size if ok else 0)
-    out = np.empty(offsets[count], np.uint8)
+        for column in range(column_count):
+            kind = data[pos]
+            sized = kind == 116 or kind == 98
+            step = 5 + _length(data, pos) if sized else 1
+            if wanted[column] >= 0:
+                if not sized:
+                    ok = False
+                    break
+                spans[row, wanted[column], 0] = pos
+                spans[row, wanted[column], 1] = step
+                found += 1
+                if found == width:
+                    break
+            pos += step
+        if ok:
+            valid[row] = True
+            size = 2
+            for j in range(width):
+                size += spans[row, j, 1]
+            sizes[row + 1] = size
+    for row in range(count):
+        sizes[row + 1] += sizes[row]
+    out = np.empty(sizes[count], np.uint8)
     for row in range(count):
         if valid[row]:
-            at = offsets[row]
-            out[at] = positions.shape[0] >> 8
-            out[at + 1] = positions.shape[0] & 0xFF
+            at = sizes[row]
+            out[at] = width >> 8
+            out[at + 1] = width & 0xFF
             at += 2
-            for position in positions:
-                start = starts[row, position] - 5
-                size = 5 + lengths[row, position]
-                out[at:at + size] = data[start:start + size]
+            for j in range(width):
+                start, size = spans[row, j, 0], spans[row, j, 1]
+                for k in range(size):
+                    out[at + k] = data[start + k]
                 at += size
-    return offsets, out, valid
+    return sizes, out, valid
 
 
 @numba.njit(cache=True, nogil=True)
-def _unchanged_positions(kinds, rows):  # pragma: no cover - compiled
-    """List offsets and the column positions marked b"u", per row at `rows`."""
+def _unchanged_positions(data, offsets, present, rows, column_count):  # pragma: no cover - compiled
+    """List offsets and the column positions marked b"u", per row at `rows` (two walks: count, fill)."""
     count = rows.shape[0]
-    offsets = np.zeros(count + 1, np.int64)
+    ends = np.zeros(count + 1, np.int64)
     for i in range(count):
-        marked = 0
-        for column in range(kinds.shape[1]):
-            if kinds[rows[i], column] == 117:
-                marked += 1
-        offsets[i + 1] = offsets[i] + marked
-    positions = np.empty(offsets[count], np.int32)
-    for i in range(count):
-        at = offsets[i]
-        for column in range(kinds.shape[1]):
-            if kinds[rows[i], column] == 117:
-                positions[at] = column
-                at += 1
-    return offsets, positions
+        ends[i + 1] = ends[i] + _walk_unchanged(data, offsets, present, rows[i], column_count, ends, -1)
+    marks = np.empty(ends[count], np.int32)
+    if ends[count]:
+        for i in range(count):
+            _walk_unchanged(data, offsets, present, rows[i], column_count, marks, ends[i])
+    return ends, marks
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _walk_unchanged(data, offsets, present, row, column_count, out, at):  # pragma: no cover - compiled
+    """Counts the b"u" columns of `row`; writes their positions to out[at:] unless `at` < 0."""
+    found = 0
+    if present[row]:
+        pos = offsets[row] + 2
+        for column in range(column_count):
+            kind = data[pos]
+            if kind == 116 or kind == 98:
+                pos += 5 + _length(data, pos)
+            else:
+                if kind == 117:
+                    if at >= 0:
+                        out[at + found] = column
+                    found += 1
+                pos += 1
+    return found

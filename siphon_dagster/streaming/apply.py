@@ -7,6 +7,7 @@ that is after the target committed.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,8 +35,26 @@ class AppliedBatch:
     seconds: dict[str, float] = field(default_factory=dict)  # schema, spark (decode+fold+collect), toast, apply
 
 
+@dataclass
+class PreparedBatch:
+    """A batch decoded and folded, not yet written: what `BatchApplier.prepare` returns."""
+
+    packages: Sequence[ReceivedPackage]
+    table: TableSchema
+    spec: DecodeSpec
+    folded: pa.Table
+    truncated_at: int | None
+    seconds: dict[str, float]
+
+
 class BatchApplier:
-    """Applies batches of one table to one target."""
+    """Applies batches of one table to one target.
+
+    `apply` = `prepare` (schema, decode and fold in Spark) then the write (TOAST fill, TRUNCATE,
+    rows). A consumer may prepare the next batch while this one is written, when the next batch
+    needs no schema change (`can_prepare_early`): preparing reads nothing from the target then,
+    and the TOAST fill, which reads the target's rows, still runs after the earlier write.
+    """
 
     def __init__(self, spark: SparkSession, target: Target, schema: str, table: str,
                  source: SourceRowReader | None = None) -> None:
@@ -43,12 +62,26 @@ class BatchApplier:
         self.target = target
         self.source = source
         self.schemas = SchemaTracker(target, schema, table, source)
+        self._preparing = threading.Lock()
 
     @property
     def qualified_name(self) -> str:
         return self.schemas.qualified_name
 
-    def apply(self, packages: Sequence[ReceivedPackage]) -> AppliedBatch:
+    def can_prepare_early(self, packages: Sequence[ReceivedPackage]) -> bool:
+        return self.schemas.is_current(packages)
+
+    def prepare_early(self, packages: Sequence[ReceivedPackage]) -> PreparedBatch | None:
+        """`prepare` while an earlier batch may still be written; None (nothing done) when the
+        batch's schema is not the current one, since resolving it may change the target."""
+        with self._preparing:
+            return self._prepare(packages) if self.schemas.is_current(packages) else None
+
+    def prepare(self, packages: Sequence[ReceivedPackage]) -> PreparedBatch:
+        with self._preparing:  # one batch at a time: the schema is resolved in stream order
+            return self._prepare(packages)
+
+    def _prepare(self, packages: Sequence[ReceivedPackage]) -> PreparedBatch:
         seconds: dict[str, float] = {}
         started = time.perf_counter()
         table = self.schemas.resolve(packages)
@@ -61,21 +94,27 @@ class BatchApplier:
         started = time.perf_counter()
         folded = _as_text(folded_rows(self.spark, packages, spec, truncated_at), table)
         seconds["spark"] = _lap(started)
+        return PreparedBatch(packages, table, spec, folded, truncated_at, seconds)
 
+    def apply(self, packages: Sequence[ReceivedPackage], prepared: PreparedBatch | None = None) -> AppliedBatch:
+        """Applies `packages`; `prepared` is their `prepare` result when it was done beforehand."""
+        if prepared is None or prepared.packages is not packages:
+            prepared = self.prepare(packages)
+        table, spec, seconds = prepared.table, prepared.spec, dict(prepared.seconds)
         started = time.perf_counter()
-        folded, toast = fill_unchanged(folded, table, self.target, self.source,
+        folded, toast = fill_unchanged(prepared.folded, table, self.target, self.source,
                                        lambda keys, positions: key_history(self.spark, packages, spec, keys,
                                                                            positions))
         rows = change_rows(folded, table)
         seconds["toast"] = _lap(started)
 
         started = time.perf_counter()
-        if truncated_at is not None:
-            self.target.tombstone_all(table, truncated_at)
+        if prepared.truncated_at is not None:
+            self.target.tombstone_all(table, prepared.truncated_at)
         if rows.num_rows:
             self.target.apply_rows(table, rows)
         seconds["apply"] = _lap(started)
-        return AppliedBatch(table, rows.num_rows, truncated_at, toast, seconds)
+        return AppliedBatch(table, rows.num_rows, prepared.truncated_at, toast, seconds)
 
 
 def change_rows(folded: pa.Table, table: TableSchema) -> pa.Table:

@@ -13,10 +13,12 @@ by a previous run rewinds the consumer to its ack floor first, and the stream re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -29,7 +31,7 @@ from siphon_core.config import StreamingConfig, TableConfig
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue
 from siphon_core.wire.packages import PackageError
-from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier
+from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier, PreparedBatch
 from siphon_dagster.streaming.batch import PackageAssembler, ReceivedPackage
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 from siphon_dagster.streaming.source_rows import SourceRowReader
@@ -90,18 +92,34 @@ class StreamConsumer:
     async def _loop(self, subscription: JetStreamContext.PullSubscription, summary: RunSummary,
                     stop_when_drained: bool, max_batches: int | None,
                     on_batch: Callable[[BatchReport], None] | None) -> None:
-        # The next batch is pulled while this one is applied (the apply runs in a thread): the
-        # pull's wait and transfer leave the cores idle otherwise. Messages pulled ahead but never
-        # applied stay unacknowledged, and the next run replays them in order.
+        # Three batches are in flight at most: batch N is written to the target while batch N+1,
+        # when its messages are already here and its schema is unchanged, is decoded and folded in
+        # Spark, and batch N+2 is pulled. Messages pulled or prepared ahead but never written stay
+        # unacknowledged, and the next run replays them in order.
         ahead: asyncio.Task[list[Msg]] | None = None
+        following: _Batch | None = None
+        finishing: asyncio.Task[BatchReport | None] | None = None
         try:
             while not self._stopping.is_set() and (max_batches is None or summary.batches < max_batches):
-                pulled_at = time.perf_counter()
-                messages = await (ahead if ahead is not None else self._pull(subscription))
-                ahead = None
-                if messages and (max_batches is None or summary.batches + 1 < max_batches):
-                    ahead = asyncio.create_task(self._pull(subscription))
-                report = await self._process(messages, pulled_at) if messages else None
+                if following is not None:
+                    batch, following = following, None
+                else:
+                    pulled_at = time.perf_counter()
+                    messages = await (ahead if ahead is not None else self._pull(subscription))
+                    ahead = None
+                    if messages and _below(max_batches, summary.batches + 1):
+                        ahead = asyncio.create_task(self._pull(subscription))
+                    batch = await self._assemble(messages, pulled_at) if messages else None
+                report = None
+                if batch is not None:
+                    finishing = asyncio.create_task(self._finish(batch))
+                    if ahead is not None and _below(max_batches, summary.batches + 1):
+                        await asyncio.wait({ahead, finishing}, return_when=asyncio.FIRST_COMPLETED)
+                        if ahead.done() and not finishing.done():
+                            following, ahead = await self._assemble_following(ahead, finishing, subscription,
+                                                                              _below(max_batches, summary.batches + 2))
+                    report = await finishing
+                    finishing = None
                 if report is not None:
                     summary.add(report)
                     _log.info("batch applied", table=self.table.name, target=self.target.name,
@@ -110,13 +128,35 @@ class StreamConsumer:
                               seconds=round(report.latency_seconds, 3))
                     if on_batch is not None:
                         on_batch(report)
-                if stop_when_drained:
+                if stop_when_drained and following is None:
                     pending = report.pending if report is not None else await self._pending()
                     if pending <= 0 and (ahead is None or not await ahead):
                         return
         finally:
             if ahead is not None:
                 ahead.cancel()
+            if finishing is not None:
+                with contextlib.suppress(Exception):
+                    await finishing  # a batch being written is written and acked, never left half-done
+            if following is not None and following.early is not None:
+                with contextlib.suppress(Exception):
+                    await following.early  # its thread runs on; let it end before the run does
+
+    async def _assemble_following(self, ahead: asyncio.Task[list[Msg]], finishing: asyncio.Task[BatchReport | None],
+                                  subscription: JetStreamContext.PullSubscription,
+                                  pull_more: bool) -> tuple[_Batch | None, asyncio.Task[list[Msg]] | None]:
+        """The next batch, assembled while this one is written, its Spark work started early."""
+        pulled_at = time.perf_counter()
+        try:
+            messages = ahead.result()
+            if not messages:
+                return None, None
+            following = await self._assemble(messages, pulled_at, early=True)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await finishing  # the batch before is applied and acked first
+            raise
+        return following, asyncio.create_task(self._pull(subscription)) if pull_more else None
 
     async def _rewind_if_interrupted(self) -> None:
         """Replays from the ack floor when a previous run left messages unacknowledged."""
@@ -156,7 +196,9 @@ class StreamConsumer:
             size += sum(len(m.data) for m in got)
         return messages
 
-    async def _process(self, messages: Sequence[Msg], pulled_at: float) -> BatchReport | None:
+    async def _assemble(self, messages: Sequence[Msg], pulled_at: float, early: bool = False) -> _Batch:
+        """Whole packages out of the messages (slices wait for their last slice); with `early`, the
+        batch's Spark work starts at once when its schema is unchanged."""
         by_sequence = {**self._held, **{m.metadata.sequence.stream: m for m in messages}}
         packages: list[ReceivedPackage] = []
         dead_lettered: list[int] = []
@@ -174,22 +216,33 @@ class StreamConsumer:
         self._held = {s: by_sequence[s] for s in held if s in by_sequence}
         for message in self._held.values():
             await message.in_progress()  # keeps JetStream from redelivering them while we wait
-        timings: dict[str, float] = {"pull": round(time.perf_counter() - pulled_at, 4)}
+        done = [s for p in packages for s in p.sequences] + self._assembler.take_abandoned()
+        prepared = None
+        if early and packages and self.applier.can_prepare_early(packages):
+            prepared = asyncio.create_task(asyncio.to_thread(self.applier.prepare_early, packages))
+        return _Batch(messages, packages, by_sequence, dead_lettered, done, pulled_at,
+                      round(time.perf_counter() - pulled_at, 4), prepared)
+
+    async def _finish(self, batch: _Batch) -> BatchReport | None:
+        """Applies the batch, acks it, reports it."""
+        timings: dict[str, float] = {"pull": batch.pull_seconds}
         applied: AppliedBatch | None = None
         warnings: list[str] = []
-        if packages:
-            applied, rejected = await self.strategy.apply(packages, by_sequence)
+        dead_lettered = list(batch.dead_lettered)
+        if batch.packages:
+            applied, rejected = await self.strategy.apply(batch.packages, batch.by_sequence, batch.early)
             dead_lettered += rejected
             warnings = self.applier.schemas.take_warnings()
-        done = [s for p in packages for s in p.sequences] + self._assembler.take_abandoned()
+        elif batch.early is not None:
+            await batch.early
         started = time.perf_counter()
-        await _ack([by_sequence[s] for s in done if s in by_sequence and s not in dead_lettered])
+        await _ack([batch.by_sequence[s] for s in batch.done if s in batch.by_sequence and s not in dead_lettered])
         timings["ack"] = round(time.perf_counter() - started, 4)
-        if not packages and not dead_lettered:
+        if not batch.packages and not dead_lettered:
             return None
         if applied is not None:
             timings.update(applied.seconds)
-        return self._report(messages, packages, applied, dead_lettered, pulled_at, timings,
+        return self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
                             await self._pending(), warnings)
 
     async def _pending(self) -> int:
@@ -220,6 +273,24 @@ class StreamConsumer:
             unchanged_values_filled=applied.toast.total if applied is not None else 0,
             seconds=timings, warnings=tuple(warnings),
         )
+
+
+@dataclass
+class _Batch:
+    """Messages pulled together, assembled into packages, waiting to be applied and acked."""
+
+    messages: Sequence[Msg]
+    packages: list[ReceivedPackage]
+    by_sequence: dict[int, Msg]  # its messages and the slices held from earlier batches
+    dead_lettered: list[int]
+    done: list[int]  # stream sequences to ack once the batch is applied
+    pulled_at: float
+    pull_seconds: float
+    early: asyncio.Task[PreparedBatch | None] | None  # its Spark work, started while the batch before was written
+
+
+def _below(limit: int | None, count: int) -> bool:
+    return limit is None or count < limit
 
 
 async def _ack(messages: Sequence[Msg]) -> None:

@@ -98,6 +98,14 @@ class SchemaTracker:
         self._applied = _Applied(newest.last_commit_lsn, columns, fingerprint(columns))
         return table
 
+    def is_current(self, packages: Sequence[ReceivedPackage]) -> bool:
+        """`resolve(packages)` would change nothing at the target: their column lists are the one
+        ensured last."""
+        applied = self._applied
+        if applied is None or not packages:
+            return False
+        return all(fingerprint(p.columns) == applied.fingerprint for p in packages)
+
     def take_warnings(self) -> list[str]:
         """What the batches resolved since the last call need an operator for (then forgotten)."""
         warnings, self._warnings = self._warnings, []

@@ -133,7 +133,7 @@ class DecodeStage:
             rows = np.flatnonzero(wanted.to_numpy(zero_copy_only=False))
             yield _bucketed(self.buckets[0], with_version(decoded.take(rows, self.positions)))
             return
-        latest = latest_indices(decoded.changes, self.truncated_at)
+        latest = np.sort(latest_indices(decoded.changes, self.truncated_at))  # rows read in buffer order
         if len(self.buckets) == 1:
             yield _bucketed(self.buckets[0], decoded.take(latest))
             return

@@ -11,7 +11,7 @@ A schema change the target cannot follow always stops: skipping it would lose ev
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from siphon_core import naming
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue
-from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier
+from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier, PreparedBatch
 from siphon_dagster.streaming.batch import ReceivedPackage
 from siphon_dagster.streaming.schema import SchemaChangeError
 from siphon_dagster.streaming.toast import ToastStats
@@ -56,13 +56,17 @@ class ErrorStrategy:
         self.dead_letter_subject = dead_letter_subject
         self.durable = durable
 
-    async def apply(self, packages: Sequence[ReceivedPackage],
-                    messages: dict[int, Msg]) -> tuple[AppliedBatch | None, list[int]]:
-        """Applies the batch; returns what was applied and the stream sequences dead-lettered."""
+    async def apply(self, packages: Sequence[ReceivedPackage], messages: dict[int, Msg],
+                    early: Awaitable[PreparedBatch | None] | None = None) -> tuple[AppliedBatch | None, list[int]]:
+        """Applies the batch; returns what was applied and the stream sequences dead-lettered.
+
+        `early` is the batch's preparation started beforehand; when it failed, the first attempt
+        prepares again and its error is handled like any other."""
+        prepared = await _settled(early)
         if self.mode == "retry":
-            return await self._with_retries(packages), []
+            return await self._with_retries(packages, prepared), []
         try:
-            return await asyncio.to_thread(self.applier.apply, packages), []
+            return await asyncio.to_thread(self.applier.apply, packages, prepared), []
         except SchemaChangeError:
             raise
         except Exception as error:
@@ -81,7 +85,7 @@ class ErrorStrategy:
                 "dead_letter for this table to move it aside", self.applier.qualified_name, sequence, sequence)
         await self._dead_letter(message, sequence, error)
 
-    async def _with_retries(self, packages: Sequence[ReceivedPackage]) -> AppliedBatch:
+    async def _with_retries(self, packages: Sequence[ReceivedPackage], prepared: PreparedBatch | None) -> AppliedBatch:
         policy = self.retry
         retrying = AsyncRetrying(
             stop=stop_after_attempt(policy.attempts),
@@ -95,7 +99,9 @@ class ErrorStrategy:
         try:
             async for attempt in retrying:
                 with attempt:
-                    return await asyncio.to_thread(self.applier.apply, packages)
+                    # Only the first attempt uses the early preparation; a retry starts over.
+                    first, prepared = prepared, None
+                    return await asyncio.to_thread(self.applier.apply, packages, first)
         except SchemaChangeError:
             raise
         except Exception as error:
@@ -159,6 +165,16 @@ def _combine(batches: list[AppliedBatch]) -> AppliedBatch | None:
     truncates = [b.truncated_at for b in batches if b.truncated_at is not None]
     return AppliedBatch(batches[-1].schema, sum(b.rows for b in batches), max(truncates) if truncates else None,
                         toast, seconds)
+
+
+async def _settled(early: Awaitable[PreparedBatch | None] | None) -> PreparedBatch | None:
+    if early is None:
+        return None
+    try:
+        return await early
+    except Exception as error:
+        _log.debug("early preparation failed; the batch is prepared again", error=_one_line(error))
+        return None
 
 
 def _one_line(error: BaseException | None) -> str:

@@ -27,7 +27,7 @@ class FlakyApplier:
     qualified_name: str = "public.notes"
     target: MemoryTarget = field(default_factory=MemoryTarget)
 
-    def apply(self, packages: Sequence[ReceivedPackage]) -> AppliedBatch:
+    def apply(self, packages: Sequence[ReceivedPackage], prepared: object = None) -> AppliedBatch:
         self.calls += 1
         if self.calls <= self.failures:
             raise self.error
