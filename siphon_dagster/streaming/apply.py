@@ -33,6 +33,7 @@ class AppliedBatch:
     truncated_at: int | None
     toast: ToastStats
     seconds: dict[str, float] = field(default_factory=dict)  # schema, spark (decode+fold+collect), toast, apply
+    prepared_early: bool = False
 
 
 @dataclass
@@ -45,15 +46,16 @@ class PreparedBatch:
     folded: pa.Table
     truncated_at: int | None
     seconds: dict[str, float]
+    early: bool = False  # prepared while the batch before was written
 
 
 class BatchApplier:
     """Applies batches of one table to one target.
 
     `apply` = `prepare` (schema, decode and fold in Spark) then the write (TOAST fill, TRUNCATE,
-    rows). A consumer may prepare the next batch while this one is written, when the next batch
-    needs no schema change (`can_prepare_early`): preparing reads nothing from the target then,
-    and the TOAST fill, which reads the target's rows, still runs after the earlier write.
+    rows). A consumer may prepare the next batch while this one is written (`prepare_early`), when
+    the next batch needs no schema change: preparing reads nothing from the target then, and the
+    TOAST fill, which reads the target's rows, still runs after the earlier write.
     """
 
     def __init__(self, spark: SparkSession, target: Target, schema: str, table: str,
@@ -68,14 +70,16 @@ class BatchApplier:
     def qualified_name(self) -> str:
         return self.schemas.qualified_name
 
-    def can_prepare_early(self, packages: Sequence[ReceivedPackage]) -> bool:
-        return self.schemas.is_current(packages)
-
     def prepare_early(self, packages: Sequence[ReceivedPackage]) -> PreparedBatch | None:
-        """`prepare` while an earlier batch may still be written; None (nothing done) when the
-        batch's schema is not the current one, since resolving it may change the target."""
+        """`prepare`, called once the batch before is prepared but may still be being written; None
+        (nothing done) when the batch's schema is not the current one, since resolving it may
+        change the target."""
         with self._preparing:
-            return self._prepare(packages) if self.schemas.is_current(packages) else None
+            if not self.schemas.is_current(packages):
+                return None
+            prepared = self._prepare(packages)
+            prepared.early = True
+            return prepared
 
     def prepare(self, packages: Sequence[ReceivedPackage]) -> PreparedBatch:
         with self._preparing:  # one batch at a time: the schema is resolved in stream order
@@ -114,7 +118,7 @@ class BatchApplier:
         if rows.num_rows:
             self.target.apply_rows(table, rows)
         seconds["apply"] = _lap(started)
-        return AppliedBatch(table, rows.num_rows, prepared.truncated_at, toast, seconds)
+        return AppliedBatch(table, rows.num_rows, prepared.truncated_at, toast, seconds, prepared.early)
 
 
 def change_rows(folded: pa.Table, table: TableSchema) -> pa.Table:

@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import ChunkReassembler, decode_package, encode_package
 
 OPERATION_NAMES = {pb.INSERT: "insert", pb.UPDATE: "update", pb.DELETE: "delete", pb.TRUNCATE: "truncate",
                    pb.SNAPSHOT: "snapshot"}
+_OPERATION_VALUES = pb.Operation.values()
 
 
 @dataclass(frozen=True)
@@ -39,22 +42,27 @@ class ReceivedPackage:
 
 
 def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes) -> ReceivedPackage:
+    events = package.events
+    # One attribute per event, counted by NumPy: the driver reads every event of a batch.
+    operations_by_value = np.bincount(np.fromiter((e.operation for e in events), np.int64, len(events)),
+                                      minlength=len(_OPERATION_VALUES))
     operations: Counter[str] = Counter()
+    for value, count in enumerate(operations_by_value.tolist()):
+        if count:
+            operations[OPERATION_NAMES.get(value, "unknown")] += count
     truncated_at = None
-    oldest = newest = 0
-    for event in package.events:
-        operations[OPERATION_NAMES.get(event.operation, "unknown")] += 1
-        if event.operation == pb.TRUNCATE:
-            truncated_at = naming.row_version(event.commit_lsn, event.position)
-        time_us = event.commit_time_us
-        oldest = time_us if not oldest else min(oldest, time_us)
-        newest = max(newest, time_us)
+    if operations_by_value[pb.TRUNCATE]:
+        last = max(i for i, e in enumerate(events) if e.operation == pb.TRUNCATE)
+        truncated_at = naming.row_version(events[last].commit_lsn, events[last].position)
+    # Events are in commit order: the first and the last carry the oldest and newest commit times.
+    oldest = events[0].commit_time_us if events else 0
+    newest = events[-1].commit_time_us if events else 0
     return ReceivedPackage(
         sequences=sequences, payload=payload, columns=tuple(_detached(c) for c in package.columns),
-        first_commit_lsn=package.first_commit_lsn or (package.events[0].commit_lsn if package.events else 0),
-        last_commit_lsn=package.last_commit_lsn or (package.events[-1].commit_lsn if package.events else 0),
-        oldest_commit_time_us=oldest, newest_commit_time_us=newest, operations=operations,
-        truncated_at=truncated_at,
+        first_commit_lsn=package.first_commit_lsn or (events[0].commit_lsn if events else 0),
+        last_commit_lsn=package.last_commit_lsn or (events[-1].commit_lsn if events else 0),
+        oldest_commit_time_us=min(oldest, newest) if oldest else newest, newest_commit_time_us=max(oldest, newest),
+        operations=operations, truncated_at=truncated_at,
     )
 
 

@@ -116,7 +116,7 @@ class StreamConsumer:
                     if ahead is not None and _below(max_batches, summary.batches + 1):
                         await asyncio.wait({ahead, finishing}, return_when=asyncio.FIRST_COMPLETED)
                         if ahead.done() and not finishing.done():
-                            following, ahead = await self._assemble_following(ahead, finishing, subscription,
+                            following, ahead = await self._assemble_following(batch, ahead, finishing, subscription,
                                                                               _below(max_batches, summary.batches + 2))
                     report = await finishing
                     finishing = None
@@ -142,7 +142,8 @@ class StreamConsumer:
                 with contextlib.suppress(Exception):
                     await following.early  # its thread runs on; let it end before the run does
 
-    async def _assemble_following(self, ahead: asyncio.Task[list[Msg]], finishing: asyncio.Task[BatchReport | None],
+    async def _assemble_following(self, batch: _Batch, ahead: asyncio.Task[list[Msg]],
+                                  finishing: asyncio.Task[BatchReport | None],
                                   subscription: JetStreamContext.PullSubscription,
                                   pull_more: bool) -> tuple[_Batch | None, asyncio.Task[list[Msg]] | None]:
         """The next batch, assembled while this one is written, its Spark work started early."""
@@ -151,7 +152,7 @@ class StreamConsumer:
             messages = ahead.result()
             if not messages:
                 return None, None
-            following = await self._assemble(messages, pulled_at, early=True)
+            following = await self._assemble(messages, pulled_at, after=batch)
         except BaseException:
             with contextlib.suppress(Exception):
                 await finishing  # the batch before is applied and acked first
@@ -196,9 +197,9 @@ class StreamConsumer:
             size += sum(len(m.data) for m in got)
         return messages
 
-    async def _assemble(self, messages: Sequence[Msg], pulled_at: float, early: bool = False) -> _Batch:
-        """Whole packages out of the messages (slices wait for their last slice); with `early`, the
-        batch's Spark work starts at once when its schema is unchanged."""
+    async def _assemble(self, messages: Sequence[Msg], pulled_at: float, after: _Batch | None = None) -> _Batch:
+        """Whole packages out of the messages (slices wait for their last slice), and their Spark
+        work started at once; `after` is a batch still in flight before this one."""
         by_sequence = {**self._held, **{m.metadata.sequence.stream: m for m in messages}}
         packages: list[ReceivedPackage] = []
         dead_lettered: list[int] = []
@@ -217,11 +218,19 @@ class StreamConsumer:
         for message in self._held.values():
             await message.in_progress()  # keeps JetStream from redelivering them while we wait
         done = [s for p in packages for s in p.sequences] + self._assembler.take_abandoned()
-        prepared = None
-        if early and packages and self.applier.can_prepare_early(packages):
-            prepared = asyncio.create_task(asyncio.to_thread(self.applier.prepare_early, packages))
+        prepared = asyncio.create_task(self._prepare(packages, after)) if packages else None
         return _Batch(messages, packages, by_sequence, dead_lettered, done, pulled_at,
                       round(time.perf_counter() - pulled_at, 4), prepared)
+
+    async def _prepare(self, packages: list[ReceivedPackage], after: _Batch | None) -> PreparedBatch | None:
+        """Decode and fold in Spark. Behind a batch in flight, this waits for that batch's own
+        preparation (schemas resolve in stream order) and is skipped when the schema changes."""
+        if after is None:
+            return await asyncio.to_thread(self.applier.prepare, packages)
+        if after.early is not None:
+            with contextlib.suppress(Exception):
+                await after.early
+        return await asyncio.to_thread(self.applier.prepare_early, packages)
 
     async def _finish(self, batch: _Batch) -> BatchReport | None:
         """Applies the batch, acks it, reports it."""
@@ -272,6 +281,7 @@ class StreamConsumer:
             pending=pending, dead_lettered=tuple(dead_lettered),
             unchanged_values_filled=applied.toast.total if applied is not None else 0,
             seconds=timings, warnings=tuple(warnings),
+            prepared_early=applied.prepared_early if applied is not None else False,
         )
 
 
@@ -286,7 +296,7 @@ class _Batch:
     done: list[int]  # stream sequences to ack once the batch is applied
     pulled_at: float
     pull_seconds: float
-    early: asyncio.Task[PreparedBatch | None] | None  # its Spark work, started while the batch before was written
+    early: asyncio.Task[PreparedBatch | None] | None  # its Spark work, started when it was assembled
 
 
 def _below(limit: int | None, count: int) -> bool:

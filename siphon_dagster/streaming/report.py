@@ -27,6 +27,7 @@ class BatchReport:
     seconds: dict[str, float] = field(default_factory=dict)  # pull, schema, spark, toast, apply, ack
     # What an operator must act on, e.g. rows that predate an added column need a resync.
     warnings: tuple[str, ...] = ()
+    prepared_early: bool = False  # decoded and folded while the batch before was written
 
     @property
     def applied_lsn_text(self) -> str:

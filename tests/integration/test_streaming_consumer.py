@@ -267,3 +267,43 @@ def test_unchanged_values_are_re_read_from_the_source_as_postgresql_prints_them(
     assert target.current_rows_as_text(notes_schema(columns, unique_name)) == [("1", "at the source", "6", "t", "ab   ")]
     source.close()
     target.close()
+
+
+BIG = "b" * 3000  # stands for a TOASTed value
+WITH_TAG = (*NOTES, column("tag"))
+PIPELINED = [
+    # Batch 1 (3 messages a batch): rows with large values.
+    package([insert(0x100, "1", BIG, "1"), insert(0x100, "2", BIG, "2", position=2)]),
+    package([insert(0x101, "3", BIG, "3"), insert(0x101, "4", BIG, "4", position=2)]),
+    package([insert(0x102, "5", "five", "5"), insert(0x102, "6", "six", "6", position=2)]),
+    # Batch 2, same schema: may be decoded while batch 1 is written; its unchanged values can only
+    # come from the rows batch 1 wrote.
+    package([update(0x103, "1", U, "10")]),
+    package([update(0x104, "2", U, "20")]),
+    package([update(0x105, "3", U, "30"), delete(0x105, "6", None, None, position=2)]),
+    # Batch 3 adds a column: never prepared before batch 2 is written.
+    package([insert(0x106, "7", "seven", "7", "t7")], columns=WITH_TAG),
+    package([update(0x107, "4", U, "40", "t4")], columns=WITH_TAG),
+    package([delete(0x108, "5", None, None, None)], columns=WITH_TAG),
+    # Batch 4 fills an unchanged value of the added column from batch 3's write.
+    package([update(0x109, "1", U, "11", "t1")], columns=WITH_TAG),
+    package([update(0x10A, "7", U, "70", U)], columns=WITH_TAG),
+    package([insert(0x10B, "8", BIG, "8", None)], columns=WITH_TAG),
+]
+
+
+def test_batches_prepared_while_the_one_before_is_written_converge(request: pytest.FixtureRequest, nats_url: str,
+                                                                    spark: SparkSession, unique_name: str) -> None:
+    target = make_target(request, "clickhouse", unique_name)
+    publish(nats_url, unique_name, PIPELINED)
+    reports: list[BatchReport] = []
+    summary = consumer(nats_url, unique_name, target, spark).run(stop_when_drained=True, on_batch=reports.append)
+    assert summary.events == 16 and summary.applied_lsn == 0x10B
+    assert target.current_rows_as_text(notes_schema(WITH_TAG)) == [
+        ("1", BIG, "11", "t1"), ("2", BIG, "20", None), ("3", BIG, "30", None), ("4", BIG, "40", "t4"),
+        ("7", "seven", "70", "t7"), ("8", BIG, "8", None)]
+    early = [r.prepared_early for r in reports]
+    assert len(early) == 4 and early[1], f"batch 2's messages were there while batch 1 was written: {early}"
+    assert not early[2], "a batch that changes the schema is prepared only after the batch before is written"
+    assert [r.unchanged_values_filled for r in reports] == [0, 3, 1, 3]
+    target.close()
