@@ -1,30 +1,31 @@
-"""The Spark work of a micro-batch: decode on the executors, shuffle by key, fold, collect.
+"""The Spark work of a micro-batch: decode and fold on the executors, merge on the driver.
 
     packages (seq, payload)            one row per package, spread over the executors
-      -> decode stage (mapInArrow)     decode, fold each task's changes, split the survivors' values
-                                       into columns, cut them into key buckets
-      -> shuffle by bucket             every change of a key meets in one task
-      -> fold stage (mapInArrow)       fold each bucket
-      -> collect (toArrow)             the folded rows on the driver
+      -> decode stage (mapInArrow)     decode, fold the task's changes per key, split the
+                                       survivors' values into columns
+      -> collect (toArrow)             every task's folded rows on the driver
+      -> merge (driver)                the latest of each key's folded rows
 
-Rows between the stages are Arrow IPC streams of many changes (`_blob`), not one Spark row per
-change: Spark's per-row work (conversion from Arrow, shuffle records, sort) cost it about 20 us a
-change, several times the decoding itself, and here it is spent per bucket instead. The shuffle is
-still Spark's, hash-partitioned on the bucket, so the stages scale out over executors as any other
-job.
+Each task hands back one row per key it saw, so the driver receives at most (tasks x keys) rows
+and keeps each key's newest: folding parts first is exact (siphon_dagster.streaming.fold). The
+driver holds the batch's folded rows anyway, to complete and write them; a shuffle to fold them
+on executors instead cost more than the merge (a second stage, shuffle files and Arrow
+conversions in the JVM: about a third of a second per batch on 2 cores, against tens of
+milliseconds for the merge).
+
+Rows leaving the executors are Arrow IPC streams of many changes (`_blob`), not one Spark row per
+change: Spark's per-row work (conversion from Arrow, a row per change) cost it about 20 us a change,
+several times the decoding itself.
 """
 
 from __future__ import annotations
 
-import threading
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
@@ -38,75 +39,67 @@ from siphon_dagster.streaming.decode import (
     locate_changes,
 )
 from siphon_dagster.streaming.fold import fold_changes, latest_indices, with_version
-from siphon_dagster.streaming.spark_session import is_remote, shuffle_partitions
+from siphon_dagster.streaming.spark_session import decode_slices, is_remote
 
-BUCKETED_DDL = "_bucket int, _blob binary"
 BLOB_DDL = "_blob binary"
-# Decoded changes a decode task folds and hands on at once; the fold stage still meets every
-# change of a key, whatever the number of pieces.
+# Decoded changes a decode task folds and hands on at once; the merge still meets every change of
+# a key, whatever the number of pieces.
 DECODED_BYTES_PER_FLUSH = 128 << 20
-# Values compress several times over; Spark then copies, shuffles and hands back far fewer bytes.
+# Values compress several times over; Spark then copies and hands back far fewer bytes.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
-_bucket_ids: dict[int, list[int]] = {}
-_bucket_ids_lock = threading.Lock()
+WARM_UP_ROUNDS = 4
+WARM_UP_ROWS = 2_000
 
 
 def folded_rows(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec,
                 truncated_at: int | None) -> pa.Table:
     """One row per key of the batch, its latest change, laid out as `decode.folded_schema`: `_key,
     _op, _lsn, _pos, _seq, _reset, _origin, _unchanged, c0..cN` (values as binary), `_version`."""
-    buckets = bucket_ids(spark)
-    decoded = _package_frame(spark, packages).mapInArrow(DecodeStage(spec, buckets, truncated_at), BUCKETED_DDL)
-    folded = decoded.repartition(len(buckets), "_bucket").mapInArrow(FoldStage(), BLOB_DDL)
-    return _collect(folded, folded_schema(len(spec.columns)))
+    pieces = _collect(_package_frame(spark, packages).mapInArrow(DecodeStage(spec, truncated_at), BLOB_DDL))
+    return merge_folded(pieces, folded_schema(len(spec.columns)))
 
 
-def warm_up(spark: SparkSession) -> None:
-    """Runs both stages once on a one-row package, so the first micro-batch of a run does not pay
-    for starting Python workers and compiling the JVM's paths (seconds on 2 cores)."""
+def merge_folded(pieces: Sequence[pa.Table], schema: pa.Schema) -> pa.Table:
+    """The latest row of each key among folded pieces (each holds a key at most once)."""
+    if not pieces:
+        return schema.empty_table()
+    rows = pieces[0] if len(pieces) == 1 else fold_changes(pa.concat_tables(pieces))
+    return with_version(rows)
+
+
+def warm_up(spark: SparkSession, rounds: int = WARM_UP_ROUNDS) -> None:
+    """Runs the decode stage a few times on small packages in every slice, so the first
+    micro-batches of a run do not pay for starting Python workers and compiling the JVM's paths
+    (seconds on 2 cores)."""
     warm = pb.Package(application_identifier="siphon", schema="siphon", table="warm_up",
                       value_encoding=pb.PGOUTPUT_TUPLE)
-    warm.columns.append(pb.Column(name="id", type_oid=20, type_name="bigint", primary_key=True, type_modifier=-1))
-    event = warm.events.add(operation=pb.INSERT, commit_lsn=1, position=1)
-    event.new_row.tuple = encode_tuple([b"1"])
-    packages = [describe(warm, (sequence,), encode_package(warm)) for sequence in range(1, 1 + shuffle_partitions(spark))]
-    folded_rows(spark, packages, DecodeSpec(("id",), ("id",), "siphon.warm_up"), None)
+    for name in ("id", "body"):
+        warm.columns.append(pb.Column(name=name, type_oid=20 if name == "id" else 25, primary_key=name == "id",
+                                      type_modifier=-1))
+    for key in range(WARM_UP_ROWS):
+        event = warm.events.add(operation=pb.INSERT, commit_lsn=1, position=key + 1)
+        event.new_row.tuple = encode_tuple([str(key % (WARM_UP_ROWS // 2)).encode(), b"warm up"])
+    payload = encode_package(warm)
+    packages = [describe(warm, (sequence,), payload) for sequence in range(1, 1 + 2 * decode_slices(spark))]
+    for _ in range(rounds):
+        folded_rows(spark, packages, DecodeSpec(("id", "body"), ("id",), "siphon.warm_up"), None)
 
 
 def key_history(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec, keys: Sequence[bytes],
                 positions: Sequence[int]) -> pa.Table:
     """Every change of these keys in the batch, unfolded, with `_version`, `_unchanged` and the value
     columns at `positions`; decodes the batch again, which only unchanged TOASTed values cost."""
-    stage = DecodeStage(spec, [0], None, keys=frozenset(keys), positions=tuple(positions))
-    return _collect(_package_frame(spark, packages).mapInArrow(stage, BUCKETED_DDL),
-                    folded_schema(len(spec.columns), positions))
-
-
-def bucket_ids(spark: SparkSession) -> list[int]:
-    """One bucket id per shuffle partition, each hashing to a different partition.
-
-    `repartition(n, "_bucket")` places a bucket by Spark's Murmur3 hash of its id modulo n; ids
-    0..n-1 may collide and leave a core idle, so the ids are chosen by asking Spark for the hashes.
-    """
-    partitions = shuffle_partitions(spark)
-    with _bucket_ids_lock:
-        if partitions not in _bucket_ids:
-            hashed = (spark.range(64 * partitions).select(F.col("id").cast("int").alias("id"))
-                      .select("id", F.pmod(F.hash("id"), F.lit(partitions)).alias("partition")).toArrow())
-            chosen: dict[int, int] = {}
-            for bucket, partition in zip(hashed["id"].to_pylist(), hashed["partition"].to_pylist(), strict=True):
-                chosen.setdefault(partition, bucket)
-            _bucket_ids[partitions] = [chosen[p] for p in sorted(chosen)]
-        return _bucket_ids[partitions]
+    stage = DecodeStage(spec, None, keys=frozenset(keys), positions=tuple(positions))
+    pieces = _collect(_package_frame(spark, packages).mapInArrow(stage, BLOB_DDL))
+    return pa.concat_tables(pieces) if pieces else folded_schema(len(spec.columns), positions).empty_table()
 
 
 class DecodeStage:
-    """Executors: packages in, bucketed IPC blobs of folded changes out (picklable)."""
+    """Executors: packages in, IPC blobs of the task's folded changes out (picklable)."""
 
-    def __init__(self, spec: DecodeSpec, buckets: Sequence[int], truncated_at: int | None,
-                 keys: frozenset[bytes] | None = None, positions: tuple[int, ...] | None = None) -> None:
+    def __init__(self, spec: DecodeSpec, truncated_at: int | None, keys: frozenset[bytes] | None = None,
+                 positions: tuple[int, ...] | None = None) -> None:
         self.spec = spec
-        self.buckets = list(buckets)
         self.truncated_at = truncated_at
         self.keys = keys  # history: only these keys, nothing folded, values at `positions`
         self.positions = positions
@@ -121,68 +114,60 @@ class DecodeStage:
                     parts.append(part)
                     held += part.nbytes
                 if held >= DECODED_BYTES_PER_FLUSH:  # a worker holds a bounded part of the batch
-                    yield from self._flush(parts)
+                    yield self._flush(parts)
                     parts, held = [], 0
         if parts:
-            yield from self._flush(parts)
+            yield self._flush(parts)
 
-    def _flush(self, parts: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def _flush(self, parts: list[pa.RecordBatch]) -> pa.RecordBatch:
         decoded = locate_changes(parts, self.spec)
         if self.keys is not None:
             wanted = pc.is_in(decoded.changes.column("_key"), value_set=pa.array(sorted(self.keys), pa.binary()))
-            rows = np.flatnonzero(wanted.to_numpy(zero_copy_only=False))
-            yield _bucketed(self.buckets[0], with_version(decoded.take(rows, self.positions)))
-            return
+            rows = decoded.take(np.flatnonzero(wanted.to_numpy(zero_copy_only=False)), self.positions)
+            return _blob_batch(with_version(rows))
         latest = np.sort(latest_indices(decoded.changes, self.truncated_at))  # rows read in buffer order
-        if len(self.buckets) == 1:
-            yield _bucketed(self.buckets[0], decoded.take(latest))
-            return
-        # crc32 is the same in every worker process, unlike Python's salted hash().
-        keys = decoded.changes.column("_key").take(pa.array(latest)).to_pylist()
-        slots = np.fromiter((zlib.crc32(key) for key in keys), np.uint32, len(keys)) % len(self.buckets)
-        # Rows ordered by bucket: the values are copied once, and each bucket is a slice.
-        order = np.argsort(slots, kind="stable")
-        changes = decoded.take(latest[order])
-        ends = np.searchsorted(slots[order], np.arange(1, len(self.buckets) + 1))
-        begin = 0
-        for bucket, end in zip(self.buckets, ends.tolist(), strict=True):
-            if end > begin:
-                yield _bucketed(bucket, changes.slice(begin, end - begin))
-            begin = end
-
-
-class FoldStage:
-    """Executors: the blobs of one bucket in, its folded rows out (picklable)."""
-
-    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        tables = [_read_blob(blob) for batch in batches for blob in _blobs(batch)]
-        if not tables:
-            return
-        # One piece was folded whole by its decode task; several may share keys.
-        folded = tables[0] if len(tables) == 1 else fold_changes(pa.concat_tables(tables))
-        yield pa.RecordBatch.from_arrays([_one_binary(_write_blob(with_version(folded)))], names=["_blob"])
+        return _blob_batch(decoded.take(latest))
 
 
 def _package_frame(spark: SparkSession, packages: Sequence[ReceivedPackage]) -> DataFrame:
-    """(seq, payload) rows spread over the executors."""
-    data = pa.Table.from_arrays([pa.array([p.sequence for p in packages], pa.int64()),
-                                 pa.array([p.payload for p in packages], pa.binary())], schema=INPUT_SCHEMA)
+    """(seq, payload) rows spread over the executors, each slice about as large as the others."""
+    slices = decode_slices(spark)
+    order = _balanced_order([len(p.payload) for p in packages], slices)
+    data = pa.Table.from_arrays([pa.array([packages[i].sequence for i in order], pa.int64()),
+                                 pa.array([packages[i].payload for i in order], pa.binary())], schema=INPUT_SCHEMA)
     frame = spark.createDataFrame(data)
     if not is_remote(spark):
-        return frame  # a local relation is already cut into one slice per core
-    partitions = min(len(packages), shuffle_partitions(spark))
+        return frame  # a local relation is already cut into `slices` contiguous, equally long slices
+    partitions = min(len(packages), slices)
     return frame.repartition(partitions) if partitions > 1 else frame
 
 
-def _collect(frame: DataFrame, schema: pa.Schema) -> pa.Table:
+def _balanced_order(sizes: Sequence[int], slices: int) -> list[int]:
+    """An order of the packages whose contiguous, equally long slices (as Spark cuts a local
+    relation) hold about equal bytes: largest first, dealt round-robin."""
+    count = len(sizes)
+    slices = max(1, min(slices, count))
+    bounds = [i * count // slices for i in range(slices + 1)]
+    by_size = sorted(range(count), key=lambda i: sizes[i], reverse=True)
+    dealt: list[list[int]] = [[] for _ in range(slices)]
+    room = [bounds[i + 1] - bounds[i] for i in range(slices)]
+    target = 0
+    for index in by_size:
+        while not room[target % slices]:
+            target += 1
+        dealt[target % slices].append(index)
+        room[target % slices] -= 1
+        target += 1
+    return [index for part in dealt for index in part]
+
+
+def _collect(frame: DataFrame) -> list[pa.Table]:
     collected = frame.toArrow()
-    tables = [_read_blob(blob) for batch in collected.to_batches() for blob in _blobs(batch)]
-    return pa.concat_tables(tables) if tables else schema.empty_table()
+    return [_read_blob(blob) for batch in collected.to_batches() for blob in _blobs(batch)]
 
 
-def _bucketed(bucket: int, rows: pa.Table) -> pa.RecordBatch:
-    return pa.RecordBatch.from_arrays([pa.array([bucket], pa.int32()), _one_binary(_write_blob(rows))],
-                                      names=["_bucket", "_blob"])
+def _blob_batch(rows: pa.Table) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([_one_binary(_write_blob(rows))], names=["_blob"])
 
 
 def _one_binary(buffer: pa.Buffer) -> pa.Array:

@@ -136,8 +136,9 @@ def create_view(names: TableNames) -> str:
 def create_stage(stage: str, table: TableSchema) -> str:
     columns = [f"{quote(stage_column(i))} Nullable(String)" for i in range(len(table.columns))]
     columns += [f"{quote(STAGE_VERSION)} String", f"{quote(STAGE_DELETED)} UInt8"]
-    # MergeTree keeps a large snapshot on disk rather than in the server's memory.
-    return f"CREATE TABLE {stage} ({', '.join(columns)}) ENGINE = MergeTree ORDER BY tuple()"
+    # A micro-batch (bounded by batch_max_bytes) is read once, right away: held in memory, it is
+    # never compressed into a part on disk only to be read back.
+    return f"CREATE TABLE {stage} ({', '.join(columns)}) ENGINE = Memory"
 
 
 def create_text_stage(stage: str, table: TableSchema) -> str:

@@ -1,5 +1,5 @@
-"""The two stages of the Spark plan run as plain functions: however the changes are cut into
-pieces and buckets, the fold keeps exactly the latest change of every key."""
+"""The Spark plan's decode stage and the driver's merge run as plain functions: however the
+changes are cut into tasks and pieces, exactly the latest change of every key survives."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_dagster.streaming import spark_plan
-from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec, locate_changes
+from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec, folded_schema, locate_changes
 from siphon_dagster.streaming.fold import fold_changes
 from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
 
@@ -48,29 +48,26 @@ def _random_packages(seed: int) -> tuple[list[pb.Package], dict[str, tuple[int, 
     return packages, latest
 
 
-def _run_stages(packages: list[pb.Package], buckets: list[int]) -> pa.Table:
-    payloads = pa.RecordBatch.from_arrays(
-        [pa.array(range(1, len(packages) + 1), pa.int64()), pa.array([encode_package(p) for p in packages])],
-        schema=INPUT_SCHEMA)
-    decoded = list(spark_plan.DecodeStage(SPEC, buckets, None)(iter([payloads])))
-    by_bucket: dict[int, list[pa.RecordBatch]] = {}
-    for batch in decoded:
-        by_bucket.setdefault(batch.column(0)[0].as_py(), []).append(batch)
-    assert set(by_bucket) <= set(buckets)
-    folded = [spark_plan._read_blob(blob)
-              for bucket in by_bucket.values()
-              for out in spark_plan.FoldStage()(iter(bucket))
-              for blob in spark_plan._blobs(out)]
-    return pa.concat_tables(folded)
+def _run_stages(packages: list[pb.Package], tasks: int) -> pa.Table:
+    """The decode stage over `tasks` slices of the packages, then the driver's merge."""
+    pieces = []
+    for task in range(tasks):
+        mine = [(i + 1, p) for i, p in enumerate(packages) if i % tasks == task]
+        payloads = pa.RecordBatch.from_arrays(
+            [pa.array([seq for seq, _ in mine], pa.int64()), pa.array([encode_package(p) for _, p in mine])],
+            schema=INPUT_SCHEMA)
+        pieces += [spark_plan._read_blob(blob) for out in spark_plan.DecodeStage(SPEC, None)(iter([payloads]))
+                   for blob in spark_plan._blobs(out)]
+    return spark_plan.merge_folded(pieces, folded_schema(len(SPEC.columns)))
 
 
 @pytest.mark.parametrize("flush_bytes", [1, 1 << 30])
-@pytest.mark.parametrize("buckets", [[0], [7, 3, 11]])
-def test_any_cut_into_pieces_and_buckets_keeps_each_keys_latest_change(monkeypatch, flush_bytes, buckets):
+@pytest.mark.parametrize("tasks", [1, 3])
+def test_any_cut_into_tasks_and_pieces_keeps_each_keys_latest_change(monkeypatch, flush_bytes, tasks):
     monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", flush_bytes)
-    packages, latest = _random_packages(seed=len(buckets) + flush_bytes % 7)
+    packages, latest = _random_packages(seed=tasks + flush_bytes % 7)
 
-    rows = _run_stages(packages, buckets)
+    rows = _run_stages(packages, tasks)
 
     got = {}
     for row in rows.to_pylist():
@@ -79,6 +76,17 @@ def test_any_cut_into_pieces_and_buckets_keeps_each_keys_latest_change(monkeypat
         values = [None if row[f"c{i}"] is None else row[f"c{i}"].decode() for i in range(3)]
         got[key] = (row["_op"], int(row["_version"]), values)
     assert got == latest
+
+
+@pytest.mark.parametrize(("sizes", "slices"), [([5, 1, 9, 3, 7, 2, 8], 2), ([4] * 5, 3), ([1, 2], 4), ([], 2)])
+def test_packages_are_ordered_so_that_equal_slices_hold_about_equal_bytes(sizes, slices):
+    order = spark_plan._balanced_order(sizes, slices)
+
+    assert sorted(order) == list(range(len(sizes)))
+    count = min(slices, len(sizes)) or 1
+    bounds = [i * len(sizes) // count for i in range(count + 1)]
+    totals = [sum(sizes[j] for j in order[bounds[i]:bounds[i + 1]]) for i in range(count)]
+    assert max(totals, default=0) - min(totals, default=0) <= max(sizes, default=0)
 
 
 def test_changes_up_to_the_last_truncate_are_dropped():
