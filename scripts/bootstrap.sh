@@ -65,7 +65,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$wanted" ]; then
 fi
 
 "$VENV/bin/python" -m siphon_core.wire.generate --quiet
-"$VENV/bin/python" -m siphon_core.wire.tuple_columns  # compiles the decoder's loops into their cache
+"$VENV/bin/python" -m siphon_core.wire.compiled  # compiles the decoder's loops into their cache
 
 # Plain `dagster ...` from the repo root needs these; the activate script and
 # the Makefile both provide them.

@@ -34,13 +34,21 @@ def encode_package(package: pb.Package) -> bytes:
 
 
 def decode_package(data: bytes, where: str = "message") -> pb.Package:
+    return parse_package(decompress_package(data, where), where)
+
+
+def decompress_package(data: bytes, where: str = "message") -> bytes:
+    """The serialized package inside a message."""
     try:
-        raw = _decompressor().decompress(data)
+        return _decompressor().decompress(data)
     except zstandard.ZstdError as error:
         raise PackageError(f"{where}: not a zstd-compressed package ({error})") from None
+
+
+def parse_package(serialized: bytes, where: str = "message") -> pb.Package:
     package = pb.Package()
     try:
-        package.ParseFromString(raw)
+        package.ParseFromString(serialized)
     except Exception as error:  # protobuf raises DecodeError, a plain Exception subclass
         raise PackageError(f"{where}: not a Siphon package ({error})") from None
     return package

@@ -126,17 +126,6 @@ def split_tuples(tuples: pa.Array | pa.ChunkedArray, column_count: int) -> Tuple
     return TupleColumns(data_buffer, data, offsets, present, column_count)
 
 
-def compile_kernels() -> None:
-    """Compiles the loops (or loads them from the cache) by running them once on a small column;
-    the set-up calls it, so no process pays the compilation later."""
-    from siphon_core.wire.tuple_data import encode_tuple
-
-    located = split_tuples(pa.array([encode_tuple([b"1", None, b"x"]), None], pa.binary()), 3)
-    located.columns([0, 2], np.array([0, 1]))
-    located.key([0])
-    located.unchanged()
-
-
 def _binary_array(offsets: np.ndarray, out: np.ndarray, valid: np.ndarray) -> pa.Array:
     rows = valid.shape[0]
     nulls = rows - int(np.count_nonzero(valid))
@@ -322,7 +311,3 @@ def _walk_unchanged(data, offsets, present, row, column_count, out, at):  # prag
                     found += 1
                 pos += 1
     return found
-
-
-if __name__ == "__main__":
-    compile_kernels()

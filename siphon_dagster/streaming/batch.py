@@ -15,7 +15,8 @@ import numpy as np
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.packages import ChunkReassembler, decode_package, encode_package
+from siphon_core.wire.event_columns import EventColumns, read_events
+from siphon_core.wire.packages import ChunkReassembler, decompress_package, encode_package, parse_package
 
 OPERATION_NAMES = {pb.INSERT: "insert", pb.UPDATE: "update", pb.DELETE: "delete", pb.TRUNCATE: "truncate",
                    pb.SNAPSHOT: "snapshot"}
@@ -41,29 +42,43 @@ class ReceivedPackage:
         return self.sequences[-1]
 
 
-def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes) -> ReceivedPackage:
-    events = package.events
-    # One attribute per event, counted by NumPy: the driver reads every event of a batch.
-    operations_by_value = np.bincount(np.fromiter((e.operation for e in events), np.int64, len(events)),
+def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes,
+             events: EventColumns | None = None) -> ReceivedPackage:
+    """What the driver needs of a package; `events` are its events read as columns, when the
+    compiled reader could read them (else they are read through the generated classes)."""
+    if events is None:
+        events = _event_columns(package)
+    operations_by_value = np.bincount(events.operations[events.operations >= 0],
                                       minlength=len(_OPERATION_VALUES))
     operations: Counter[str] = Counter()
     for value, count in enumerate(operations_by_value.tolist()):
         if count:
             operations[OPERATION_NAMES.get(value, "unknown")] += count
     truncated_at = None
-    if operations_by_value[pb.TRUNCATE]:
-        last = max(i for i, e in enumerate(events) if e.operation == pb.TRUNCATE)
-        truncated_at = naming.row_version(events[last].commit_lsn, events[last].position)
+    truncates = np.flatnonzero(events.operations == pb.TRUNCATE)
+    if truncates.size:
+        last = int(truncates[-1])
+        truncated_at = naming.row_version(int(events.commit_lsns[last]), int(events.positions[last]))
     # Events are in commit order: the first and the last carry the oldest and newest commit times.
-    oldest = events[0].commit_time_us if events else 0
-    newest = events[-1].commit_time_us if events else 0
+    times = events.commit_times_us
+    oldest, newest = (int(min(times[0], times[-1])), int(max(times[0], times[-1]))) if len(events) else (0, 0)
     return ReceivedPackage(
         sequences=sequences, payload=payload, columns=tuple(_detached(c) for c in package.columns),
-        first_commit_lsn=package.first_commit_lsn or (events[0].commit_lsn if events else 0),
-        last_commit_lsn=package.last_commit_lsn or (events[-1].commit_lsn if events else 0),
-        oldest_commit_time_us=min(oldest, newest) if oldest else newest, newest_commit_time_us=max(oldest, newest),
-        operations=operations, truncated_at=truncated_at,
+        first_commit_lsn=package.first_commit_lsn or (int(events.commit_lsns[0]) if len(events) else 0),
+        last_commit_lsn=package.last_commit_lsn or (int(events.commit_lsns[-1]) if len(events) else 0),
+        oldest_commit_time_us=oldest, newest_commit_time_us=newest, operations=operations,
+        truncated_at=truncated_at,
     )
+
+
+def _event_columns(package: pb.Package) -> EventColumns:
+    """The columns `describe` reads, through the generated classes."""
+    fields = [(e.operation, e.commit_lsn, e.position, e.commit_time_us) for e in package.events]
+    operations, lsns, positions, times = zip(*fields, strict=True) if fields else ((), (), (), ())
+    empty = np.zeros(len(fields), np.int64)
+    return EventColumns(np.zeros(0, np.uint8), np.array(operations, np.int64), np.array(lsns, np.uint64),
+                        np.array(positions, np.int64), np.array(times, np.int64), empty.astype(bool), empty, empty,
+                        empty.astype(bool), empty, empty, empty.astype(bool), empty.astype(bool))
 
 
 def _detached(column: pb.Column) -> pb.Column:
@@ -83,9 +98,11 @@ class PackageAssembler:
 
     def accept(self, sequence: int, data: bytes) -> ReceivedPackage | None:
         """Raises siphon_core.wire.packages.PackageError for a message that is not a package."""
-        package = decode_package(data, f"stream sequence {sequence}")
+        where = f"stream sequence {sequence}"
+        serialized = decompress_package(data, where)
+        package = parse_package(serialized, where)
         if not package.HasField("chunk"):
-            return describe(package, (sequence,), data)
+            return describe(package, (sequence,), data, read_events(serialized))
         if package.chunk.index != len(self._slices):
             # A resent event starts again at slice 0 and supersedes the partial one (as the
             # reassembler does); a slice out of place is dropped with it.

@@ -40,7 +40,10 @@ def latest_indices(changes: pa.Table, truncated_at: int | None = None) -> np.nda
     candidates = np.flatnonzero(keep)
     if candidates.size < 2:
         return candidates
-    keys = changes.column("_key").take(pa.array(candidates)).combine_chunks().dictionary_encode().indices
+    keys = changes.column("_key")
+    if candidates.size != changes.num_rows:
+        keys = keys.take(pa.array(candidates))
+    keys = keys.combine_chunks().dictionary_encode().indices
     key_ids = keys.to_numpy()
     # Ascending by key, then version: the last row of each key is its latest change.
     order = np.lexsort((positions[candidates], lsns[candidates], key_ids))

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 
 from siphon_core.wire import siphon_pb2 as pb
+from siphon_core.wire.compiled import compile_all
 from siphon_core.wire.packages import encode_package
 from siphon_core.wire.tuple_data import encode_tuple
 from siphon_dagster.streaming.batch import ReceivedPackage, describe
@@ -70,7 +71,8 @@ def merge_folded(pieces: Sequence[pa.Table], schema: pa.Schema) -> pa.Table:
 def warm_up(spark: SparkSession, rounds: int = WARM_UP_ROUNDS) -> None:
     """Runs the decode stage a few times on small packages in every slice, so the first
     micro-batches of a run do not pay for starting Python workers and compiling the JVM's paths
-    (seconds on 2 cores)."""
+    (seconds on 2 cores). The driver's own compiled loops are loaded here too."""
+    compile_all()
     warm = pb.Package(application_identifier="siphon", schema="siphon", table="warm_up",
                       value_encoding=pb.PGOUTPUT_TUPLE)
     for name in ("id", "body"):

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from siphon_core.logs import get_logger
 from siphon_core.wire import siphon_pb2 as pb
@@ -69,11 +71,13 @@ class _Fills:
 def fill_unchanged(folded: pa.Table, table: TableSchema, target: Target, source: SourceRowReader | None,
                    history: HistoryReader) -> tuple[pa.Table, ToastStats]:
     """`folded` as `fold.fold` returns it, values already cast to strings; returns it filled."""
-    ops = folded.column("_op").to_pylist()
-    unchanged = folded.column("_unchanged").to_pylist()
-    rows = [r for r, (op, positions) in enumerate(zip(ops, unchanged, strict=True)) if positions and op != pb.DELETE]
+    # Rows are picked out vectorized: most batches have none, and their rows are many.
+    marked = pc.and_(pc.greater(pc.fill_null(pc.list_value_length(folded.column("_unchanged")), 0), 0),
+                     pc.not_equal(folded.column("_op"), pa.scalar(pb.DELETE, pa.int8())))
+    rows = np.flatnonzero(marked.to_numpy(zero_copy_only=False)).tolist() if folded.num_rows else []
     if not rows:
         return folded, ToastStats()
+    unchanged = folded.column("_unchanged").to_pylist()
     keys = folded.column("_key").to_pylist()
     versions = folded.column("_version").to_pylist()
     resets = folded.column("_reset").to_pylist()

@@ -1,0 +1,249 @@
+"""The events of a serialized Package as columns, read by a compiled loop (numba).
+
+Reading a field of an event through the generated protobuf classes costs a Python object and an
+attribute lookup, about a microsecond per event once every field a consumer needs is read; a
+micro-batch has hundreds of thousands of events. The loop here walks the protobuf wire format of
+`Package.events` (field numbers from proto/siphon.proto) and returns every event's operation,
+commit LSN, position, commit time and where its row tuples lie in the serialized bytes, without
+an object per event.
+
+The generated classes stay the reference: the package is still parsed by them (its column list,
+chunk and encoding are read from there), and `read_events` returns None for anything the loop
+does not read as they would (a wire type it does not expect, truncated data), so the caller falls
+back to them. `tests/unit/test_event_columns.py` holds the two readers to the same answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import pyarrow as pa
+
+# Field numbers of proto/siphon.proto.
+_PACKAGE_EVENTS = 6
+_EVENT_OPERATION, _EVENT_COMMIT_LSN, _EVENT_POSITION, _EVENT_COMMIT_TIME = 1, 3, 4, 5
+_EVENT_NEW_ROW, _EVENT_OLD_ROW, _EVENT_OLD_IS_FULL, _EVENT_OLD_IS_KEY = 6, 7, 8, 9
+_ROW_TUPLE = 1
+
+
+@dataclass(frozen=True)
+class EventColumns:
+    """One entry per event of the package, in order."""
+
+    data: np.ndarray  # the serialized package, uint8
+    operations: np.ndarray  # int64, pb.Operation values
+    commit_lsns: np.ndarray  # uint64
+    positions: np.ndarray  # int64
+    commit_times_us: np.ndarray  # int64
+    has_new_row: np.ndarray  # bool: the event has a new_row
+    new_starts: np.ndarray  # int64: where new_row.tuple's bytes start (its length below)
+    new_lengths: np.ndarray  # int64 (0 when there is no tuple)
+    has_old_row: np.ndarray  # bool: the event has an old_row
+    old_starts: np.ndarray
+    old_lengths: np.ndarray
+    old_is_full: np.ndarray  # bool
+    old_is_key: np.ndarray  # bool
+
+    def __len__(self) -> int:
+        return self.operations.shape[0]
+
+
+def read_events(serialized: bytes) -> EventColumns | None:
+    """The events of a serialized `pb.Package`, or None when the loop cannot read them exactly as
+    the generated classes would (the caller then reads them through those)."""
+    data = np.frombuffer(serialized, np.uint8)
+    count = _count_events(data)
+    if count < 0:
+        return None
+    columns = _new_columns(data, count)
+    if not _read_events(data, columns.operations, columns.commit_lsns, columns.positions, columns.commit_times_us,
+                        columns.has_new_row, columns.new_starts, columns.new_lengths, columns.has_old_row,
+                        columns.old_starts, columns.old_lengths, columns.old_is_full, columns.old_is_key):
+        return None
+    return columns
+
+
+def gather_spans(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets (int64, one more than spans) and the concatenated bytes of data[start:start+length]
+    per span: the parts of an Arrow binary column."""
+    return _gather_spans(data, np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(lengths, np.int64))
+
+
+def spans_array(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    """The spans as an Arrow binary column (large_binary past 2 GiB)."""
+    offsets, out = gather_spans(data, starts, lengths)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        return pa.Array.from_buffers(pa.large_binary(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(out)])
+    return pa.Array.from_buffers(pa.binary(), len(starts),
+                                 [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(out)])
+
+
+def _new_columns(data: np.ndarray, count: int) -> EventColumns:
+    return EventColumns(
+        data=data, operations=np.zeros(count, np.int64), commit_lsns=np.zeros(count, np.uint64),
+        positions=np.zeros(count, np.int64), commit_times_us=np.zeros(count, np.int64),
+        has_new_row=np.zeros(count, np.bool_), new_starts=np.zeros(count, np.int64),
+        new_lengths=np.zeros(count, np.int64), has_old_row=np.zeros(count, np.bool_),
+        old_starts=np.zeros(count, np.int64), old_lengths=np.zeros(count, np.int64),
+        old_is_full=np.zeros(count, np.bool_), old_is_key=np.zeros(count, np.bool_))
+
+
+# The compiled loops. A varint is read into (value, next position); a position of -1 means the
+# data ended inside it. Wire types: 0 varint, 1 fixed 64, 2 length-delimited, 5 fixed 32.
+
+
+@numba.njit(cache=True, nogil=True)
+def _varint(data, pos, end):  # pragma: no cover - compiled
+    value = np.uint64(0)
+    shift = np.uint64(0)
+    for _ in range(10):
+        if pos >= end:
+            return value, -1
+        byte = data[pos]
+        pos += 1
+        value |= np.uint64(byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += np.uint64(7)
+    return value, -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _skip(data, pos, end, wire):  # pragma: no cover - compiled
+    """Position after a field's value, or -1."""
+    if wire == 0:
+        _, pos = _varint(data, pos, end)
+        return pos
+    if wire == 1:
+        return pos + 8 if pos + 8 <= end else -1
+    if wire == 5:
+        return pos + 4 if pos + 4 <= end else -1
+    if wire == 2:
+        length, pos = _varint(data, pos, end)
+        if pos < 0 or length > np.uint64(end - pos):
+            return -1
+        return pos + np.int64(length)
+    return -1  # groups (3, 4) and unknown wire types: left to the generated classes
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_events(data):  # pragma: no cover - compiled
+    end = data.shape[0]
+    pos = 0
+    count = 0
+    while pos < end:
+        tag, pos = _varint(data, pos, end)
+        if pos < 0:
+            return -1
+        if np.int64(tag >> np.uint64(3)) == 6 and np.int64(tag & np.uint64(7)) == 2:
+            count += 1
+        pos = _skip(data, pos, end, np.int64(tag & np.uint64(7)))
+        if pos < 0:
+            return -1
+    return count
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_tuple(data, pos, end, previous_start, previous_length):  # pragma: no cover - compiled
+    """(start, length) of the tuple of the Row in data[pos:end]; a Row sent twice merges, so a Row
+    without a tuple keeps the previous one. start -1: malformed."""
+    start, length = previous_start, previous_length
+    while pos < end:
+        tag, pos = _varint(data, pos, end)
+        if pos < 0:
+            return -1, 0
+        field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
+        if field == 1 and wire == 2:
+            size, pos = _varint(data, pos, end)
+            if pos < 0 or size > np.uint64(end - pos):
+                return -1, 0
+            start, length = pos, np.int64(size)
+            pos += length
+        else:
+            pos = _skip(data, pos, end, wire)
+            if pos < 0:
+                return -1, 0
+    return start, length
+
+
+@numba.njit(cache=True, nogil=True)
+def _read_events(data, operations, commit_lsns, positions, commit_times, has_new, new_starts, new_lengths,
+                 has_old, old_starts, old_lengths, old_is_full, old_is_key):  # pragma: no cover - compiled
+    end = data.shape[0]
+    pos = 0
+    index = 0
+    while pos < end:
+        tag, pos = _varint(data, pos, end)
+        if pos < 0:
+            return False
+        field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
+        if not (field == 6 and wire == 2):
+            pos = _skip(data, pos, end, wire)
+            if pos < 0:
+                return False
+            continue
+        size, pos = _varint(data, pos, end)
+        if pos < 0 or size > np.uint64(end - pos) or index >= operations.shape[0]:
+            return False
+        stop = pos + np.int64(size)
+        while pos < stop:
+            tag, pos = _varint(data, pos, stop)
+            if pos < 0:
+                return False
+            field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
+            if wire == 0 and 1 <= field <= 9 and field != 6 and field != 7:
+                value, pos = _varint(data, pos, stop)
+                if pos < 0:
+                    return False
+                if field == 1:
+                    operations[index] = np.int64(np.int32(value & np.uint64(0xFFFFFFFF)))  # enum: int32
+                elif field == 3:
+                    commit_lsns[index] = value
+                elif field == 4:
+                    positions[index] = np.int64(value & np.uint64(0xFFFFFFFF))  # uint32
+                elif field == 5:
+                    commit_times[index] = np.int64(value)  # int64: two's complement
+                elif field == 8:
+                    old_is_full[index] = value != np.uint64(0)
+                elif field == 9:
+                    old_is_key[index] = value != np.uint64(0)
+            elif wire == 2 and (field == 6 or field == 7):
+                length, pos = _varint(data, pos, stop)
+                if pos < 0 or length > np.uint64(stop - pos):
+                    return False
+                row_end = pos + np.int64(length)
+                if field == 6:
+                    start, got = _row_tuple(data, pos, row_end, new_starts[index], new_lengths[index])
+                    has_new[index] = True
+                    new_starts[index], new_lengths[index] = start, got
+                else:
+                    start, got = _row_tuple(data, pos, row_end, old_starts[index], old_lengths[index])
+                    has_old[index] = True
+                    old_starts[index], old_lengths[index] = start, got
+                if start < 0:
+                    return False
+                pos = row_end
+            elif 1 <= field <= 9:
+                return False  # a known field in an unexpected wire type: left to the generated classes
+            else:
+                pos = _skip(data, pos, stop, wire)
+                if pos < 0:
+                    return False
+        if pos != stop:
+            return False
+        index += 1
+    return index == operations.shape[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_spans(data, starts, lengths):  # pragma: no cover - compiled
+    count = starts.shape[0]
+    offsets = np.zeros(count + 1, np.int64)
+    for i in range(count):
+        offsets[i + 1] = offsets[i] + lengths[i]
+    out = np.empty(offsets[count], np.uint8)
+    for i in range(count):
+        out[offsets[i]:offsets[i + 1]] = data[starts[i]:starts[i] + lengths[i]]
+    return offsets, out
