@@ -49,7 +49,7 @@ DECODED_BYTES_PER_FLUSH = 128 << 20
 # Values compress several times over; Spark then copies and hands back far fewer bytes.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 WARM_UP_ROUNDS = 4
-WARM_UP_ROWS = 2_000
+WARM_UP_ROWS = 20_000
 
 
 def folded_rows(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec,
