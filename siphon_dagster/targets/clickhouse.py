@@ -38,6 +38,8 @@ KEYS_PER_LOOKUP = 5000
 # block (optimize_on_insert) finds nothing to replace among one snapshot's rows, and costs about a
 # third of the snapshot's insert.
 SNAPSHOT_INSERT_SETTINGS = {"optimize_on_insert": 0}
+# A folded micro-batch holds each key once: the same holds for its inserts.
+BATCH_INSERT_SETTINGS = {"optimize_on_insert": 0}
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,10 @@ class ClickHouseTarget:
     def _names(self, table: TableSchema) -> sql.TableNames:
         return sql.TableNames(table=table, database=self.database)
 
-    def _command(self, names: sql.TableNames, what: str, statement: str, parameters: dict | None = None) -> Any:
+    def _command(self, names: sql.TableNames, what: str, statement: str, parameters: dict | None = None,
+                 settings: dict | None = None) -> Any:
         try:
-            return self._connect().command(statement, parameters=parameters)
+            return self._connect().command(statement, parameters=parameters, settings=settings)
         except ClickHouseError as error:
             raise TargetError(names.describe(f"{what} failed: {error}")) from error
 
@@ -218,7 +221,8 @@ class ClickHouseTarget:
             except ClickHouseError as error:
                 raise TargetError(names.describe(f"staging {rows.num_rows} rows failed: {error}")) from error
             for target in self._write_targets(names):
-                self._command(names, "applying a batch", sql.insert_from_stage(target, stage, table))
+                self._command(names, "applying a batch", sql.insert_from_stage(target, stage, table),
+                              settings=BATCH_INSERT_SETTINGS)
         return rows.num_rows
 
     @contextmanager
