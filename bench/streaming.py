@@ -8,7 +8,7 @@
    while the producer's slot waits. The real producer (`python -m producer_service.cli run`) then
    publishes the backlog; its rate is timed from the moment it streams until the slot confirms the
    end of the WAL, as in bench/producer.py. It is stopped, and a `StreamConsumer` (local Spark,
-   batches of the default batch_max_messages) applies the whole stream into the embedded ClickHouse with
+   batches cut by the default batch limits) applies the whole stream into the embedded ClickHouse with
    `stop_when_drained=True`. Apply events/s = events / wall time of that run; the Spark session is
    started before and its start-up is reported on its own line. The reference is the producer's
    rate: the apply must keep up with it, or lag grows without bound. Afterwards the `_current`
@@ -60,7 +60,7 @@ from siphon_dagster.targets.clickhouse import ClickHouseTarget
 APPLICATION = "bench.streaming"
 DATABASE = "bench"
 TABLE = TableConfig(name="public.notes")
-BACKLOG_BATCH_MESSAGES = StreamingConfig().batch_max_messages  # what a user's runs take by default
+BACKLOG_BATCHES = StreamingConfig(batch_max_wait_seconds=0.5)  # a user's runs' limits by default
 # Low-latency settings of the freshness run.
 FRESH_FLUSH_SECONDS = 0.2  # producer: flush_interval_seconds
 FRESH_STATUS_SECONDS = 0.2  # producer: status_interval_seconds
@@ -231,21 +231,18 @@ def make_consumer(nats_url: str, clickhouse_url: str, dsn: str, spark, streaming
 
 @dataclass
 class Batches:
-    """The `on_batch` callback: keeps every BatchReport (and CPU after it)."""
+    """The `on_batch` callback: keeps every BatchReport."""
 
     reports: list[BatchReport] = field(default_factory=list)
     verbose: bool = False
-    cpu: ConsumerCpu | None = None
-    cpu_samples: list[CpuSample] = field(default_factory=list)  # after each batch
 
     def __call__(self, report: BatchReport) -> None:
         self.reports.append(report)
-        if self.cpu is not None:
-            self.cpu_samples.append(self.cpu.sample())
         if self.verbose:
             steps = " ".join(f"{name} {seconds:.2f}" for name, seconds in report.seconds.items())
+            early = ", prepared while the batch before was written" if report.prepared_early else ""
             print(f"    batch {len(self.reports)}: {report.messages} messages, {report.events:,} events, "
-                  f"{report.latency_seconds:.2f}s ({steps}), lag {report.lag_newest_seconds:.1f}s", flush=True)
+                  f"{report.latency_seconds:.2f}s ({steps}), lag {report.lag_newest_seconds:.1f}s{early}", flush=True)
 
     @property
     def events(self) -> int:
@@ -276,7 +273,7 @@ class Backlog:
     producer_seconds: float
     producer_cpu: float
     messages: int
-    batch_messages: int
+    batch_limits: str
     spark_start_seconds: float
     apply_seconds: float
     batches: Batches
@@ -294,21 +291,6 @@ class Backlog:
     @property
     def apply_rate(self) -> float:
         return self.batches.events / self.apply_seconds
-
-    def steady_cpu(self) -> tuple[CpuSample | None, int]:
-        """CPU used after the first batch, and the events it applied."""
-        samples, reports = self.batches.cpu_samples, self.batches.reports
-        if len(samples) < 2:
-            return None, 0
-        return samples[-1] - samples[0], sum(r.events for r in reports[1:])
-
-    @property
-    def steady_apply_rate(self) -> float:
-        """Without the first batch, which pays for the Python workers and the target's DDL."""
-        reports = self.batches.reports
-        if len(reports) < 2:
-            return float("nan")
-        return sum(r.events for r in reports[1:]) / (self.apply_seconds - reports[0].latency_seconds)
 
 
 def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int) -> Backlog:
@@ -338,14 +320,15 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int) -
     finally:
         producer.stop()
     messages = stream_messages(stack.nats.url)
-    batch_messages = BACKLOG_BATCH_MESSAGES
+    limits = BACKLOG_BATCHES
+    batch_limits = f"{limits.batch_max_messages} messages / {limits.batch_max_bytes / 1e6:g} MB"
     print(f"  published in {producer_seconds:.1f}s ({changes / producer_seconds:,.0f} events/s), {messages:,} "
-          f"messages; applying with batch_max_messages={batch_messages}...", flush=True)
+          f"messages; applying in batches of at most {batch_limits}...", flush=True)
 
     consumer, target = make_consumer(stack.nats.url, stack.clickhouse_url, dsn, spark,
-                                     StreamingConfig(batch_max_messages=batch_messages, batch_max_wait_seconds=0.5))
+                                     limits)
     cpu = ConsumerCpu(spark_jvm_pid(spark), stack.clickhouse_pid)
-    batches = Batches(verbose=True, cpu=cpu)
+    batches = Batches(verbose=True)
     try:
         cpu_before = cpu.sample()
         started = time.monotonic()
@@ -357,7 +340,7 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int) -
         source_rows, target_rows, sampled, mismatches = verify(dsn, target)
     finally:
         target.close()
-    return Backlog(changes, write_seconds, producer_seconds, producer_cpu, messages, batch_messages,
+    return Backlog(changes, write_seconds, producer_seconds, producer_cpu, messages, batch_limits,
                    spark_start_seconds, apply_seconds, batches, cpu_used, source_rows, target_rows, sampled, mismatches)
 
 
@@ -550,7 +533,6 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
     applied_busy = [r for r in busy if r.events]
     poll_seconds = [p[2] for p in fresh.polls]
     mean = statistics.fmean
-    steady_cpu, steady_events = backlog.steady_cpu()
     print_table("streaming apply: backlog rate beside the producer, freshness under steady load", [
         ("load average: before, after backlog, after freshness",
          f"{load_before:.1f}, {backlog.load_average:.1f}, {fresh.load_average:.1f}", "2 cores"),
@@ -559,15 +541,13 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
         ("producer CPU per event (us)", f"{backlog.producer_cpu * per_event:.1f}", ""),
         ("Spark session start-up (s)", f"{backlog.spark_start_seconds:.1f}", "not counted below"),
         ("apply: events applied", f"{backlog.batches.events:,}", f"= {backlog.changes:,}"),
-        ("apply: stream messages, batch_max_messages", f"{backlog.messages:,}, {backlog.batch_messages}",
+        ("apply: stream messages, batch limits", f"{backlog.messages:,}, {backlog.batch_limits}",
          "the default"),
         ("apply: batches, first batch (s)", f"{len(reports)}, {first.latency_seconds if first else 0:.1f}", ""),
         ("apply events/s (whole run)", f"{backlog.apply_rate:,.0f}", f">= {backlog.producer_rate:,.0f}"),
-        ("apply events/s (after the first batch)", f"{backlog.steady_apply_rate:,.0f}", ""),
         ("apply / producer", f"{backlog.apply_rate / backlog.producer_rate:.2f}", ">= 1.00"),
         ("apply seconds by step (sum over batches)", backlog.batches.breakdown(), f"of {backlog.apply_seconds:.1f} s"),
         ("apply CPU us/event: all = driver+JVM+workers, ClickHouse", backlog.cpu.per_event_us(backlog.changes), ""),
-        ("  the same after the first batch", steady_cpu.per_event_us(steady_events) if steady_cpu else "", ""),
         ("rows: source, _current view", f"{backlog.source_rows:,}, {backlog.target_rows:,}", "equal"),
         ("sampled ids compared (present and deleted)", f"{backlog.sampled - len(backlog.mismatches)}/{backlog.sampled}",
          f"{verdict}"),

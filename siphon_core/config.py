@@ -140,8 +140,12 @@ class SparkConfig(_Model):
 
 
 class StreamingConfig(_Model):
-    batch_max_messages: int = Field(default=200, ge=1)
-    batch_max_bytes: int = Field(default=64_000_000, ge=1024)
+    # A backlog is cut by bytes (compressed, as pulled): packages hold from a few to thousands of
+    # events, so a count alone made batches of very different work. About 8 MB of packages is
+    # 100,000-300,000 changes of a wide table: enough to spread each batch's fixed cost (a Spark job,
+    # a few target statements), small enough that the next batch is decoded while one is written.
+    batch_max_messages: int = Field(default=1000, ge=1)
+    batch_max_bytes: int = Field(default=8_000_000, ge=1024)
     batch_max_wait_seconds: float = Field(default=1.0, gt=0)
     max_failures_before_backoff: int = Field(default=3, ge=1)
 

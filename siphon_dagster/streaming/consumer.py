@@ -39,7 +39,7 @@ from siphon_dagster.streaming.strategy import ErrorStrategy, RetryPolicy, Stream
 from siphon_dagster.targets.base import Target
 
 _log = get_logger("streaming.consumer")
-_FETCH_STEP = 256  # messages per pull request: bounds how far a batch overshoots its byte limit
+_FETCH_STEP = 64  # messages per pull request: bounds how far a batch overshoots its byte limit
 
 
 class StreamConsumer:
