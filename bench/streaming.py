@@ -1,7 +1,7 @@
 """Streaming apply: sustained rate beside the producer's on the same workload, and freshness under load.
 
-    python bench/streaming.py [--changes 500000] [--steady-rate 5000] [--steady-seconds 60]
-                               [--flush-seconds 0.2] [--batch-wait-seconds 0.5]
+    python bench/streaming.py [--changes 500000] [--warm-changes 50000] [--steady-rate 5000]
+                               [--steady-seconds 60] [--flush-seconds 0.2] [--batch-wait-seconds 0.5]
 
 1. Sustained apply rate. An empty notes-shaped table (30 columns, ~750-byte rows) gets N changes
    (inserts, updates, deletes in transactions of 1 to 100 rows, the workload of bench/producer.py)
@@ -9,10 +9,13 @@
    publishes the backlog; its rate is timed from the moment it streams until the slot confirms the
    end of the WAL, as in bench/producer.py. It is stopped, and a `StreamConsumer` (local Spark,
    batches cut by the default batch limits) applies the whole stream into the embedded ClickHouse with
-   `stop_when_drained=True`. Apply events/s = events / wall time of that run; the Spark session is
-   started before and its start-up is reported on its own line. The reference is the producer's
-   rate: the apply must keep up with it, or lag grows without bound. Afterwards the `_current`
-   view must hold the source's row count, and sampled rows (present and deleted) must match.
+   `stop_when_drained=True`. Apply events/s = events / wall time of that run. A streaming run is
+   long-lived, so the timed backlog meets a warm one: the Spark session is started before (its
+   start-up is reported on its own line) and a first, smaller backlog (--warm-changes) is
+   published and applied the same way, untimed; `--warm-changes 0` times a cold run instead. The
+   reference is the producer's rate: the apply must keep up with it, or lag grows without bound.
+   Afterwards the `_current` view must hold the source's row count, and sampled rows (present and
+   deleted) must match.
 2. Freshness. With the producer and a long-running `StreamConsumer` (a thread of this process)
    running on low-latency settings, a writer (a PL/pgSQL loop inside PostgreSQL, so a client's
    speed does not limit it) commits a steady load: every 100 ms, rate/100 transactions (50 at
@@ -282,6 +285,7 @@ class Backlog:
     target_rows: int
     sampled: int
     mismatches: list[str]
+    warm_changes: int = 0
     load_average: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-minute, as the phase ends
 
     @property
@@ -293,22 +297,17 @@ class Backlog:
         return self.batches.events / self.apply_seconds
 
 
-def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int) -> Backlog:
+def publish_backlog(stack, slot: str, changes_wanted: int) -> tuple[int, float, float, float]:
+    """Writes the workload while the slot waits, then lets the producer publish it; returns the
+    changes, the seconds to write them, the producer's seconds and CPU seconds."""
     dsn = stack.dsn
-    create_notes_table(dsn)
-    slot = naming.slot_name(APPLICATION)
-    with psycopg.connect(dsn, autocommit=True) as connection:
-        connection.execute(f'create publication "{naming.publication_name(APPLICATION)}" for table notes')
-        connection.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
-    print(f"writing {changes_wanted:,} changes in transactions of 1 to 100 rows...", flush=True)
     started = time.monotonic()
     with psycopg.connect(dsn, autocommit=True) as connection:
+        connection.execute("drop table if exists bench_total")
         connection.execute(WORKLOAD.format(changes=changes_wanted))
         changes = connection.execute("select changes from bench_total").fetchone()[0]
     end_lsn = current_lsn(dsn)
     write_seconds = time.monotonic() - started
-    print(f"  {changes:,} changes written in {write_seconds:.1f}s; producer publishing...", flush=True)
-
     producer = StreamingProducer(stack.directory, dsn, stack.nats.url, 0.5, 0.2)
     try:
         with psycopg.connect(dsn, autocommit=True) as watch_connection:
@@ -319,11 +318,39 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int) -
             producer_cpu = cpu_seconds(producer.pid) - cpu_before
     finally:
         producer.stop()
-    messages = stream_messages(stack.nats.url)
+    return changes, write_seconds, producer_seconds, producer_cpu
+
+
+def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int, warm_changes: int) -> Backlog:
+    dsn = stack.dsn
+    create_notes_table(dsn)
+    slot = naming.slot_name(APPLICATION)
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        # A vacuum of the backlog's dead rows would land at random in one timed phase or the other,
+        # on the same 2 cores: both are timed without it.
+        connection.execute("alter table notes set (autovacuum_enabled = false)")
+        connection.execute(f'create publication "{naming.publication_name(APPLICATION)}" for table notes')
+        connection.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     limits = BACKLOG_BATCHES
+    if warm_changes:
+        # A streaming run is a long-lived process: the timed backlog meets one that has applied
+        # batches before (its Python workers, JVM and target table warm), as a running one would.
+        print(f"warming up: {warm_changes:,} changes published and applied first (not timed)...", flush=True)
+        publish_backlog(stack, slot, warm_changes)
+        consumer, target = make_consumer(stack.nats.url, stack.clickhouse_url, dsn, spark, limits)
+        try:
+            consumer.run(stop_when_drained=True)
+        finally:
+            target.close()
+    messages_before = stream_messages(stack.nats.url)
+    print(f"writing {changes_wanted:,} changes in transactions of 1 to 100 rows; then the producer publishes them...",
+          flush=True)
+    changes, write_seconds, producer_seconds, producer_cpu = publish_backlog(stack, slot, changes_wanted)
+    messages = stream_messages(stack.nats.url) - messages_before
     batch_limits = f"{limits.batch_max_messages} messages / {limits.batch_max_bytes / 1e6:g} MB"
-    print(f"  published in {producer_seconds:.1f}s ({changes / producer_seconds:,.0f} events/s), {messages:,} "
-          f"messages; applying in batches of at most {batch_limits}...", flush=True)
+    print(f"  {changes:,} changes written in {write_seconds:.1f}s, published in {producer_seconds:.1f}s "
+          f"({changes / producer_seconds:,.0f} events/s), {messages:,} messages; applying in batches of at most "
+          f"{batch_limits}...", flush=True)
 
     consumer, target = make_consumer(stack.nats.url, stack.clickhouse_url, dsn, spark,
                                      limits)
@@ -341,7 +368,8 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int) -
     finally:
         target.close()
     return Backlog(changes, write_seconds, producer_seconds, producer_cpu, messages, batch_limits,
-                   spark_start_seconds, apply_seconds, batches, cpu_used, source_rows, target_rows, sampled, mismatches)
+                   spark_start_seconds, apply_seconds, batches, cpu_used, source_rows, target_rows, sampled, mismatches,
+                   warm_changes=warm_changes)
 
 
 def verify(dsn: str, target: ClickHouseTarget, samples: int = 200) -> tuple[int, int, int, list[str]]:
@@ -540,6 +568,7 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
         ("producer events/s (same workload)", f"{backlog.producer_rate:,.0f}", "reference"),
         ("producer CPU per event (us)", f"{backlog.producer_cpu * per_event:.1f}", ""),
         ("Spark session start-up (s)", f"{backlog.spark_start_seconds:.1f}", "not counted below"),
+        ("apply: changes applied before, untimed (a running run)", f"{backlog.warm_changes:,}", ""),
         ("apply: events applied", f"{backlog.batches.events:,}", f"= {backlog.changes:,}"),
         ("apply: stream messages, batch limits", f"{backlog.messages:,}, {backlog.batch_limits}",
          "the default"),
@@ -580,6 +609,8 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--changes", type=int, default=500_000)
+    parser.add_argument("--warm-changes", type=int, default=50_000,
+                        help="changes applied before the timed backlog (0: time a cold run)")
     parser.add_argument("--steady-rate", type=int, default=5_000)
     parser.add_argument("--steady-seconds", type=int, default=60)
     parser.add_argument("--flush-seconds", type=float, default=FRESH_FLUSH_SECONDS,
@@ -596,7 +627,7 @@ def main() -> int:
             started = time.monotonic()
             spark = get_spark_session(SparkConfig())
             spark_start_seconds = time.monotonic() - started
-            backlog = run_backlog(stack, spark, spark_start_seconds, args.changes)
+            backlog = run_backlog(stack, spark, spark_start_seconds, args.changes, args.warm_changes)
             fresh = run_freshness(stack, spark, args.steady_rate, args.steady_seconds, args.flush_seconds,
                                   args.batch_wait_seconds)
         finally:

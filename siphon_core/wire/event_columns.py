@@ -21,6 +21,9 @@ import numba
 import numpy as np
 import pyarrow as pa
 
+from siphon_core.wire import siphon_pb2 as pb
+from siphon_core.wire.packages import parse_package
+
 # Field numbers of proto/siphon.proto.
 _PACKAGE_EVENTS = 6
 _EVENT_OPERATION, _EVENT_COMMIT_LSN, _EVENT_POSITION, _EVENT_COMMIT_TIME = 1, 3, 4, 5
@@ -45,9 +48,26 @@ class EventColumns:
     old_lengths: np.ndarray
     old_is_full: np.ndarray  # bool
     old_is_key: np.ndarray  # bool
+    event_starts: np.ndarray  # int64: where each serialized Event starts (its length below)
+    event_lengths: np.ndarray  # int64
 
     def __len__(self) -> int:
         return self.operations.shape[0]
+
+    def event(self, index: int) -> pb.Event:
+        """Event `index` through the generated classes (for the events a consumer reads one by one)."""
+        start = int(self.event_starts[index])
+        return pb.Event.FromString(self.data[start:start + int(self.event_lengths[index])].tobytes())
+
+
+def read_package(serialized: bytes, where: str = "message") -> tuple[pb.Package, EventColumns | None]:
+    """The package's envelope (every field but `events`) through the generated classes, and its
+    events as columns; when the loop cannot read them, the whole package and None."""
+    events = read_events(serialized)
+    if events is None:
+        return parse_package(serialized, where), None
+    envelope = _without_events(events.data)
+    return parse_package(envelope.tobytes(), where), events
 
 
 def read_events(serialized: bytes) -> EventColumns | None:
@@ -60,7 +80,8 @@ def read_events(serialized: bytes) -> EventColumns | None:
     columns = _new_columns(data, count)
     if not _read_events(data, columns.operations, columns.commit_lsns, columns.positions, columns.commit_times_us,
                         columns.has_new_row, columns.new_starts, columns.new_lengths, columns.has_old_row,
-                        columns.old_starts, columns.old_lengths, columns.old_is_full, columns.old_is_key):
+                        columns.old_starts, columns.old_lengths, columns.old_is_full, columns.old_is_key,
+                        columns.event_starts, columns.event_lengths):
         return None
     return columns
 
@@ -87,7 +108,8 @@ def _new_columns(data: np.ndarray, count: int) -> EventColumns:
         has_new_row=np.zeros(count, np.bool_), new_starts=np.zeros(count, np.int64),
         new_lengths=np.zeros(count, np.int64), has_old_row=np.zeros(count, np.bool_),
         old_starts=np.zeros(count, np.int64), old_lengths=np.zeros(count, np.int64),
-        old_is_full=np.zeros(count, np.bool_), old_is_key=np.zeros(count, np.bool_))
+        old_is_full=np.zeros(count, np.bool_), old_is_key=np.zeros(count, np.bool_),
+        event_starts=np.zeros(count, np.int64), event_lengths=np.zeros(count, np.int64))
 
 
 # The compiled loops. A varint is read into (value, next position); a position of -1 means the
@@ -170,7 +192,8 @@ def _row_tuple(data, pos, end, previous_start, previous_length):  # pragma: no c
 
 @numba.njit(cache=True, nogil=True)
 def _read_events(data, operations, commit_lsns, positions, commit_times, has_new, new_starts, new_lengths,
-                 has_old, old_starts, old_lengths, old_is_full, old_is_key):  # pragma: no cover - compiled
+                 has_old, old_starts, old_lengths, old_is_full, old_is_key, event_starts,
+                 event_lengths):  # pragma: no cover - compiled
     end = data.shape[0]
     pos = 0
     index = 0
@@ -188,6 +211,7 @@ def _read_events(data, operations, commit_lsns, positions, commit_times, has_new
         if pos < 0 or size > np.uint64(end - pos) or index >= operations.shape[0]:
             return False
         stop = pos + np.int64(size)
+        event_starts[index], event_lengths[index] = pos, np.int64(size)
         while pos < stop:
             tag, pos = _varint(data, pos, stop)
             if pos < 0:
@@ -235,6 +259,23 @@ def _read_events(data, operations, commit_lsns, positions, commit_times, has_new
             return False
         index += 1
     return index == operations.shape[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def _without_events(data):  # pragma: no cover - compiled
+    """The serialized package without its `events` fields (called on data `_read_events` read)."""
+    end = data.shape[0]
+    out = np.empty(end, np.uint8)
+    used = 0
+    pos = 0
+    while pos < end:
+        start = pos
+        tag, pos = _varint(data, pos, end)
+        pos = _skip(data, pos, end, np.int64(tag & np.uint64(7)))
+        if not (np.int64(tag >> np.uint64(3)) == 6 and np.int64(tag & np.uint64(7)) == 2):
+            out[used:used + pos - start] = data[start:pos]
+            used += pos - start
+    return out[:used]
 
 
 @numba.njit(cache=True, nogil=True)

@@ -15,8 +15,8 @@ import numpy as np
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import EventColumns, read_events
-from siphon_core.wire.packages import ChunkReassembler, decompress_package, encode_package, parse_package
+from siphon_core.wire.event_columns import EventColumns, read_package
+from siphon_core.wire.packages import ChunkReassembler, decompress_package, encode_package
 
 OPERATION_NAMES = {pb.INSERT: "insert", pb.UPDATE: "update", pb.DELETE: "delete", pb.TRUNCATE: "truncate",
                    pb.SNAPSHOT: "snapshot"}
@@ -78,7 +78,7 @@ def _event_columns(package: pb.Package) -> EventColumns:
     empty = np.zeros(len(fields), np.int64)
     return EventColumns(np.zeros(0, np.uint8), np.array(operations, np.int64), np.array(lsns, np.uint64),
                         np.array(positions, np.int64), np.array(times, np.int64), empty.astype(bool), empty, empty,
-                        empty.astype(bool), empty, empty, empty.astype(bool), empty.astype(bool))
+                        empty.astype(bool), empty, empty, empty.astype(bool), empty.astype(bool), empty, empty)
 
 
 def _detached(column: pb.Column) -> pb.Column:
@@ -99,10 +99,9 @@ class PackageAssembler:
     def accept(self, sequence: int, data: bytes) -> ReceivedPackage | None:
         """Raises siphon_core.wire.packages.PackageError for a message that is not a package."""
         where = f"stream sequence {sequence}"
-        serialized = decompress_package(data, where)
-        package = parse_package(serialized, where)
+        package, events = read_package(decompress_package(data, where), where)
         if not package.HasField("chunk"):
-            return describe(package, (sequence,), data, read_events(serialized))
+            return describe(package, (sequence,), data, events)
         if package.chunk.index != len(self._slices):
             # A resent event starts again at slice 0 and supersedes the partial one (as the
             # reassembler does); a slice out of place is dropped with it.

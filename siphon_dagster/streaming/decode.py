@@ -42,8 +42,8 @@ import pyarrow.compute as pc
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import read_events, spans_array
-from siphon_core.wire.packages import decompress_package, parse_package
+from siphon_core.wire.event_columns import read_package, spans_array
+from siphon_core.wire.packages import decompress_package
 from siphon_core.wire.tuple_columns import MalformedTupleError, TupleColumns, split_tuples
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST, TupleDataError, Value, decode_tuple, encode_tuple
 from siphon_dagster.streaming.fold import VERSION_TYPE
@@ -129,8 +129,7 @@ class PackageDecoder:
 
     def decode(self, seq: int, payload: bytes) -> Iterator[pa.RecordBatch]:
         where = f"stream sequence {seq}"
-        serialized = decompress_package(payload, where)
-        package = parse_package(serialized, where)
+        package, columns = read_package(decompress_package(payload, where), where)
         if package.HasField("chunk"):
             raise ValueError(f"{where}: a slice of a large event reached the decoder unassembled")
         if package.value_encoding != pb.PGOUTPUT_TUPLE:
@@ -138,15 +137,16 @@ class PackageDecoder:
         align = self._alignment(package, where)
         # The common events are read as columns, with no Python per event: an INSERT's or a plain
         # UPDATE's new tuple, a DELETE's old key, is the row as sent.
-        columns = read_events(serialized) if align is None else None
         if columns is None:
             others = list(package.events)
+        elif align is not None:
+            others = [columns.event(i) for i in range(len(columns))]
         else:
             ops, has_old = columns.operations, columns.has_old_row
             as_sent = np.isin(ops, _INSERTS) | ((ops == _UPDATE) & ~has_old)
             old_key = (ops == _DELETE) & has_old
             fast = np.flatnonzero(as_sent | old_key)
-            others = [package.events[i] for i in np.flatnonzero(~(as_sent | old_key)).tolist()]
+            others = [columns.event(i) for i in np.flatnonzero(~(as_sent | old_key)).tolist()]
             if fast.size:
                 starts = np.where(as_sent, columns.new_starts, columns.old_starts)[fast]
                 lengths = np.where(as_sent, columns.new_lengths, columns.old_lengths)[fast]

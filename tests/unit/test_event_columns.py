@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import gather_spans, read_events
+from siphon_core.wire.event_columns import gather_spans, read_events, read_package
+from siphon_core.wire.packages import PackageError
 
 
 def _random_event(rng: random.Random) -> pb.Event:
@@ -94,3 +95,23 @@ def test_spans_are_gathered_into_binary_column_parts():
     data = np.frombuffer(b"0123456789", np.uint8)
     offsets, out = gather_spans(data, np.array([2, 0, 9]), np.array([3, 0, 1]))
     assert offsets.tolist() == [0, 3, 3, 4] and bytes(out) == b"2349"
+
+
+def test_a_package_reads_as_its_envelope_and_its_events():
+    package = pb.Package(schema="public", table="notes", first_commit_lsn=7, chunk=pb.Chunk(index=0, count=1))
+    package.columns.append(pb.Column(name="id", type_oid=20, primary_key=True))
+    package.events.extend(_random_event(random.Random(9)) for _ in range(20))
+    serialized = package.SerializeToString()
+
+    envelope, events = read_package(serialized)
+
+    assert events is not None and len(events) == 20
+    assert [events.event(i) for i in range(20)] == list(package.events)
+    package.ClearField("events")
+    assert envelope == package
+
+
+def test_a_package_the_loop_cannot_read_is_parsed_whole():
+    serialized = pb.Package(schema="public").SerializeToString() + bytes([3 << 3 | 3])  # a group
+    with pytest.raises(PackageError, match="not a Siphon package"):
+        read_package(serialized, "stream sequence 3")
