@@ -238,9 +238,11 @@ class Batches:
 
     reports: list[BatchReport] = field(default_factory=list)
     verbose: bool = False
+    reported_at: list[float] = field(default_factory=list)  # time.monotonic() of each report
 
     def __call__(self, report: BatchReport) -> None:
         self.reports.append(report)
+        self.reported_at.append(time.monotonic())
         if self.verbose:
             steps = " ".join(f"{name} {seconds:.2f}" for name, seconds in report.seconds.items())
             early = ", prepared while the batch before was written" if report.prepared_early else ""
@@ -361,9 +363,10 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int, w
         started = time.monotonic()
         consumer.run(stop_when_drained=True, on_batch=batches)
         apply_seconds = time.monotonic() - started
+        last_acked = batches.reported_at[-1] - started if batches.reported_at else 0.0
         cpu_used = cpu.sample() - cpu_before
-        print(f"  applied {batches.events:,} events in {apply_seconds:.1f}s ({len(batches.reports)} batches); "
-              "verifying...", flush=True)
+        print(f"  applied {batches.events:,} events in {apply_seconds:.2f}s ({len(batches.reports)} batches, the last "
+              f"acked at {last_acked:.2f}s); verifying...", flush=True)
         source_rows, target_rows, sampled, mismatches = verify(dsn, target)
     finally:
         target.close()
