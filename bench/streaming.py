@@ -263,7 +263,7 @@ class Batches:
     def breakdown(self, per_batch: bool = False) -> str:
         totals = self.seconds()
         count = max(1, len(self.reports)) if per_batch else 1
-        order = ["pull", "schema", "spark", "toast", "apply", "ack"]
+        order = ["pull", "schema", "spark", "merge", "toast", "apply", "ack"]
         return " ".join(f"{name} {totals[name] / count:.{2 if per_batch else 1}f}"
                         for name in order + sorted(set(totals) - set(order)) if name in totals)
 

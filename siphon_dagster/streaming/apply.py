@@ -21,7 +21,7 @@ from siphon_dagster.streaming.batch import ReceivedPackage
 from siphon_dagster.streaming.decode import DecodeSpec, value_column
 from siphon_dagster.streaming.schema import SchemaTracker
 from siphon_dagster.streaming.source_rows import SourceRowReader
-from siphon_dagster.streaming.spark_plan import folded_rows, key_history
+from siphon_dagster.streaming.spark_plan import folded_pieces, key_history, merge_folded
 from siphon_dagster.streaming.toast import ToastStats, fill_unchanged
 from siphon_dagster.targets.base import TableSchema, Target, change_batch_schema
 
@@ -32,7 +32,7 @@ class AppliedBatch:
     rows: int  # rows handed to the target after the fold
     truncated_at: int | None
     toast: ToastStats
-    seconds: dict[str, float] = field(default_factory=dict)  # schema, spark (decode+fold+collect), toast, apply
+    seconds: dict[str, float] = field(default_factory=dict)  # schema, spark (decode+fold+collect), merge, toast, apply
     prepared_early: bool = False
 
 
@@ -43,7 +43,7 @@ class PreparedBatch:
     packages: Sequence[ReceivedPackage]
     table: TableSchema
     spec: DecodeSpec
-    folded: pa.Table
+    pieces: list[pa.Table]  # the Spark tasks' folded rows, merged by the write step
     truncated_at: int | None
     seconds: dict[str, float]
     early: bool = False  # prepared while the batch before was written
@@ -96,9 +96,9 @@ class BatchApplier:
         truncates = [p.truncated_at for p in packages if p.truncated_at is not None]
         truncated_at = max(truncates) if truncates else None
         started = time.perf_counter()
-        folded = _as_text(folded_rows(self.spark, packages, spec, truncated_at), table)
+        pieces = folded_pieces(self.spark, packages, spec, truncated_at)
         seconds["spark"] = _lap(started)
-        return PreparedBatch(packages, table, spec, folded, truncated_at, seconds)
+        return PreparedBatch(packages, table, spec, pieces, truncated_at, seconds)
 
     def apply(self, packages: Sequence[ReceivedPackage], prepared: PreparedBatch | None = None) -> AppliedBatch:
         """Applies `packages`; `prepared` is their `prepare` result when it was done beforehand."""
@@ -106,7 +106,11 @@ class BatchApplier:
             prepared = self.prepare(packages)
         table, spec, seconds = prepared.table, prepared.spec, dict(prepared.seconds)
         started = time.perf_counter()
-        folded, toast = fill_unchanged(prepared.folded, table, self.target, self.source,
+        # The merge runs here, not in `prepare`: it overlaps the next batch's Spark work.
+        folded = _as_text(merge_folded(prepared.pieces, len(table.columns)), table)
+        seconds["merge"] = _lap(started)
+        started = time.perf_counter()
+        folded, toast = fill_unchanged(folded, table, self.target, self.source,
                                        lambda keys, positions: key_history(self.spark, packages, spec, keys,
                                                                            positions))
         rows = change_rows(folded, table)

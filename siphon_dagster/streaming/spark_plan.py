@@ -3,8 +3,9 @@
     packages (seq, payload)            one row per package, spread over the executors
       -> decode stage (mapInArrow)     decode, fold the task's changes per key, split the
                                        survivors' values into columns
-      -> collect (toArrow)             every task's folded rows on the driver
-      -> merge (driver)                the latest of each key's folded rows
+      -> collect (toArrow)             every task's folded rows on the driver (`folded_pieces`)
+      -> merge (driver)                the latest of each key's folded rows (`merge_folded`), done
+                                       by the write step, while Spark works on the next batch
 
 Each task hands back one row per key it saw, so the driver receives at most (tasks x keys) rows
 and keeps each key's newest: folding parts first is exact (siphon_dagster.streaming.fold). The
@@ -52,18 +53,18 @@ WARM_UP_ROUNDS = 4
 WARM_UP_ROWS = 20_000
 
 
-def folded_rows(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec,
-                truncated_at: int | None) -> pa.Table:
-    """One row per key of the batch, its latest change, laid out as `decode.folded_schema`: `_key,
+def folded_pieces(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec,
+                  truncated_at: int | None) -> list[pa.Table]:
+    """The tasks' folded rows: each piece holds a key at most once; `merge_folded` makes one row
+    per key of the batch out of them."""
+    return _collect(_package_frame(spark, packages).mapInArrow(DecodeStage(spec, truncated_at), BLOB_DDL))
+
+
+def merge_folded(pieces: Sequence[pa.Table], column_count: int) -> pa.Table:
+    """The latest row of each key among folded pieces, laid out as `decode.folded_schema`: `_key,
     _op, _lsn, _pos, _seq, _reset, _origin, _unchanged, c0..cN` (values as binary), `_version`."""
-    pieces = _collect(_package_frame(spark, packages).mapInArrow(DecodeStage(spec, truncated_at), BLOB_DDL))
-    return merge_folded(pieces, folded_schema(len(spec.columns)))
-
-
-def merge_folded(pieces: Sequence[pa.Table], schema: pa.Schema) -> pa.Table:
-    """The latest row of each key among folded pieces (each holds a key at most once)."""
     if not pieces:
-        return schema.empty_table()
+        return folded_schema(column_count).empty_table()
     rows = pieces[0] if len(pieces) == 1 else fold_changes(pa.concat_tables(pieces))
     return with_version(rows)
 
@@ -84,7 +85,7 @@ def warm_up(spark: SparkSession, rounds: int = WARM_UP_ROUNDS) -> None:
     payload = encode_package(warm)
     packages = [describe(warm, (sequence,), payload) for sequence in range(1, 1 + 2 * decode_slices(spark))]
     for _ in range(rounds):
-        folded_rows(spark, packages, DecodeSpec(("id", "body"), ("id",), "siphon.warm_up"), None)
+        merge_folded(folded_pieces(spark, packages, DecodeSpec(("id", "body"), ("id",), "siphon.warm_up"), None), 2)
 
 
 def key_history(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: DecodeSpec, keys: Sequence[bytes],

@@ -12,7 +12,7 @@ from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_dagster.streaming import spark_plan
-from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec, folded_schema, locate_changes
+from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec, locate_changes
 from siphon_dagster.streaming.fold import fold_changes
 from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
 
@@ -58,7 +58,7 @@ def _run_stages(packages: list[pb.Package], tasks: int) -> pa.Table:
             schema=INPUT_SCHEMA)
         pieces += [spark_plan._read_blob(blob) for out in spark_plan.DecodeStage(SPEC, None)(iter([payloads]))
                    for blob in spark_plan._blobs(out)]
-    return spark_plan.merge_folded(pieces, folded_schema(len(SPEC.columns)))
+    return spark_plan.merge_folded(pieces, len(SPEC.columns))
 
 
 @pytest.mark.parametrize("flush_bytes", [1, 1 << 30])
