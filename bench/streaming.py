@@ -334,16 +334,13 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int, w
         connection.execute(f'create publication "{naming.publication_name(APPLICATION)}" for table notes')
         connection.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     limits = BACKLOG_BATCHES
+    consumer, target = make_consumer(stack.nats.url, stack.clickhouse_url, dsn, spark, limits)
     if warm_changes:
-        # A streaming run is a long-lived process: the timed backlog meets one that has applied
-        # batches before (its Python workers, JVM and target table warm), as a running one would.
+        # A streaming run is a long-lived process: the timed backlog meets a consumer that has
+        # applied batches before (its Python workers, JVM, schema and target table warm).
         print(f"warming up: {warm_changes:,} changes published and applied first (not timed)...", flush=True)
         publish_backlog(stack, slot, warm_changes)
-        consumer, target = make_consumer(stack.nats.url, stack.clickhouse_url, dsn, spark, limits)
-        try:
-            consumer.run(stop_when_drained=True)
-        finally:
-            target.close()
+        consumer.run(stop_when_drained=True)
     messages_before = stream_messages(stack.nats.url)
     print(f"writing {changes_wanted:,} changes in transactions of 1 to 100 rows; then the producer publishes them...",
           flush=True)
@@ -354,8 +351,6 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int, w
           f"({changes / producer_seconds:,.0f} events/s), {messages:,} messages; applying in batches of at most "
           f"{batch_limits}...", flush=True)
 
-    consumer, target = make_consumer(stack.nats.url, stack.clickhouse_url, dsn, spark,
-                                     limits)
     cpu = ConsumerCpu(spark_jvm_pid(spark), stack.clickhouse_pid)
     batches = Batches(verbose=True)
     try:

@@ -39,7 +39,7 @@ KEYS_PER_LOOKUP = 5000
 # third of the snapshot's insert.
 SNAPSHOT_INSERT_SETTINGS = {"optimize_on_insert": 0}
 # A folded micro-batch holds each key once: the same holds for its inserts.
-BATCH_INSERT_SETTINGS = {"optimize_on_insert": 0}
+BATCH_INSERT_SETTINGS = {"optimize_on_insert": 0, "max_insert_threads": 2, "max_threads": 2}
 
 
 @dataclass(frozen=True)
