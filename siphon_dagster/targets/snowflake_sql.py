@@ -106,11 +106,20 @@ def record_truncation(names: TableNames) -> str:
 
 
 def create_view(names: TableNames) -> str:
-    """Current rows: not a tombstone and newer than the latest TRUNCATE."""
+    """Current rows: each key's newest row, when it is not a tombstone and is newer than the latest
+    TRUNCATE.
+
+    A key is normally stored once (every write is a MERGE), but two MERGEs that insert the same new
+    key at once, a stream batch and a snapshot partition say, may both insert it where the engine
+    does not serialize them (fakesnow does not); later MERGEs then update every copy. Picking the
+    newest copy before filtering tombstones keeps a deleted row deleted either way.
+    """
     selected = ", ".join(quote(name) for name in view_columns(names.table))
     version = quote(VERSION_COLUMN)
+    newest = (f"SELECT * FROM {names.live} QUALIFY ROW_NUMBER() OVER (PARTITION BY {key_order(names.table)} "
+              f"ORDER BY {version} DESC) = 1")
     return (
-        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {selected} FROM {names.live} "
+        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {selected} FROM ({newest}) "
         f"WHERE NOT {quote(DELETED_COLUMN)} AND {version} > (SELECT COALESCE(MAX({version}), 0) FROM {names.truncations})"
     )
 

@@ -252,3 +252,25 @@ def test_clickhouse_view_is_right_before_and_after_merges(request: pytest.Fixtur
     assert target.current_rows_as_text(NOTES) == [("2", "b2", "3")]
     assert target.max_version(NOTES) == 40
     target.close()
+
+
+def test_snowflake_view_reads_a_key_stored_twice_as_its_newest_copy(request: pytest.FixtureRequest,
+                                                                      unique_name: str) -> None:
+    """Two MERGEs inserting the same new key at once (a stream batch and a snapshot partition) can
+    both insert it where writes are not serialized, as on fakesnow: the view reads the newest copy,
+    a newest copy that is a tombstone hides the key, and a later MERGE updates every copy."""
+    target = make_target(request, "snowflake", unique_name)
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "first", 1, 10), row(2, "kept", 2, 10)]))
+    names = target._names(NOTES)  # noqa: SLF001 - copies made the way a race makes them
+    copy = (f"INSERT INTO {names.live} SELECT id, body, score, CAST(? AS NUMBER(38, 0)), ?, _siphon_synced_at "
+            f"FROM {names.live} WHERE id = ?")
+    target._execute(names, "copying a row", copy, ("20", False, 1))  # noqa: SLF001
+    target._execute(names, "copying a row", copy, ("30", True, 2))  # noqa: SLF001
+    assert target.count_current(NOTES) == 1
+    assert target.current_rows_as_text(NOTES) == [("1", "first", "1")]
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "newest", 5, 40)]))
+    assert target.current_rows_as_text(NOTES) == [("1", "newest", "5")]
+    stored = target._fetch(names, "reading copies", f"SELECT body FROM {names.live} WHERE id = 1")  # noqa: SLF001
+    assert [r[0] for r in stored] == ["newest", "newest"]
+    target.close()
