@@ -56,15 +56,23 @@ IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.D
                dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 
 
-def consecutive_failures(instance: dg.DagsterInstance, job_name: str, window: int = 20) -> tuple[int, float]:
-    """Failures since the last run that ended otherwise, and when the latest of them ended."""
+# Failures that ended longer ago than this are forgotten: a streak from an earlier session (runs
+# failed when a local instance was stopped hard, say) must not hold back a fresh start.
+FAILURE_MEMORY_SECONDS = 3600.0
+
+
+def consecutive_failures(instance: dg.DagsterInstance, job_name: str, now: float, window: int = 20) -> tuple[int, float]:
+    """Failures since the last run that ended otherwise, within the last hour, and when the latest
+    of them ended."""
     records = instance.get_run_records(filters=dg.RunsFilter(job_name=job_name), limit=window)
     failures, last_end = 0, 0.0
     for record in records:  # newest first
         if record.dagster_run.status != dg.DagsterRunStatus.FAILURE:
             break
-        failures += 1
         ended = record.end_time or record.update_timestamp.timestamp()
+        if ended < now - FAILURE_MEMORY_SECONDS:
+            break
+        failures += 1
         last_end = max(last_end, ended)
     return failures, last_end
 
@@ -98,7 +106,7 @@ def build_streaming_sensor(specs: list[TableSpec], group: str, jobs: dict[tuple[
             if _live_runs(context, job.name, now()):
                 entry["failures"] = 0
                 continue
-            failures, last_end = consecutive_failures(context.instance, job.name)
+            failures, last_end = consecutive_failures(context.instance, job.name, now())
             entry["failures"] = failures
             wait = backoff_seconds(failures, failure_threshold)
             if wait and now() < last_end + wait:

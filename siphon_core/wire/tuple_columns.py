@@ -186,10 +186,11 @@ def _length(data, pos):  # pragma: no cover - compiled
 @numba.njit(cache=True, nogil=True)
 def _gather_values(data, offsets, present, rows, column_count, slots, width):  # pragma: no cover - compiled
     """Binary column parts of the columns with a slot (>= 0) at `rows`: per slot its offsets, its
-    bytes (one buffer, slot i at bases[i]:bases[i + 1]) and validity. Each row is walked twice: to
-    size the output, then to copy."""
+    bytes (one buffer, slot i at bases[i]:bases[i + 1]) and validity. One walk per row finds the
+    values; a second pass copies them."""
     count = rows.shape[0]
     sizes = np.zeros((width, count + 1), np.int64)  # becomes the offsets
+    starts = np.zeros((width, count), np.int64)
     valid = np.zeros((width, count), np.bool_)
     for i in range(count):
         row = rows[i]
@@ -203,6 +204,7 @@ def _gather_values(data, offsets, present, rows, column_count, slots, width):  #
                     if slot >= 0:
                         valid[slot, i] = True
                         sizes[slot, i + 1] = length
+                        starts[slot, i] = pos + 5
                     pos += 5 + length
                 else:
                     pos += 1
@@ -212,21 +214,10 @@ def _gather_values(data, offsets, present, rows, column_count, slots, width):  #
             sizes[j, i + 1] += sizes[j, i]
         bases[j + 1] = bases[j] + sizes[j, count]
     out = np.empty(bases[width], np.uint8)
-    for i in range(count):
-        row = rows[i]
-        if present[row]:
-            pos = offsets[row] + 2
-            for column in range(column_count):
-                kind = data[pos]
-                if kind == 116 or kind == 98:
-                    length = _length(data, pos)
-                    slot = slots[column]
-                    if slot >= 0:
-                        at = bases[slot] + sizes[slot, i]
-                        out[at:at + length] = data[pos + 5:pos + 5 + length]
-                    pos += 5 + length
-                else:
-                    pos += 1
+    for i in range(count):  # row by row: the source bytes are read in order
+        for j in range(width):
+            at, size = bases[j] + sizes[j, i], sizes[j, i + 1] - sizes[j, i]
+            out[at:at + size] = data[starts[j, i]:starts[j, i] + size]
     return sizes, out, bases, valid
 
 

@@ -122,11 +122,6 @@ class PackageDecoder:
     def __init__(self, spec: DecodeSpec) -> None:
         self.spec = spec
 
-    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            for seq, payload in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
-                yield from self.decode(seq, payload)
-
     def decode(self, seq: int, payload: bytes) -> Iterator[pa.RecordBatch]:
         where = f"stream sequence {seq}"
         package, columns = read_package(decompress_package(payload, where), where)

@@ -4,6 +4,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import dagster as dg
 import psycopg
@@ -15,7 +16,7 @@ from siphon_core import naming
 from siphon_core.config import parse_config
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.run_liveness import WORKER_TAG, dead_run_reason, worker_identity
-from siphon_dagster.sensors import backoff_seconds, build_streaming_sensor
+from siphon_dagster.sensors import FAILURE_MEMORY_SECONDS, backoff_seconds, build_streaming_sensor
 from siphon_dagster.specs import table_specs
 
 
@@ -166,6 +167,22 @@ def test_streaming_sensor_backs_off_after_repeated_failures_and_resumes_later(co
                                        failure_threshold=3, now=lambda: state["backoff_until"] + 1)
         context = dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs)
         assert [r.job_name for r in later(context).run_requests] == [job.name]
+
+
+def test_failures_of_an_earlier_session_do_not_hold_back_a_fresh_start(config):
+    defs = build_definitions(config)
+    specs = table_specs(config)
+    job = defs.resolve_job_def(streaming_job_name(config))
+    with dg.instance_for_test() as instance:
+        for _ in range(8):
+            create_run_for_test(instance, job_name=job.name, status=dg.DagsterRunStatus.FAILURE)
+        # Two hours later (the runs ended "now"), the streak is forgotten and a run starts at once.
+        later = build_streaming_sensor(specs, "later", {("clickhouse", specs[0].qualified_name): job},
+                                       failure_threshold=3, now=lambda: time.time() + 2 * FAILURE_MEMORY_SECONDS)
+        context = dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs)
+        result = later(context)
+        assert [r.job_name for r in result.run_requests] == [job.name]
+        assert json.loads(result.cursor)[job.name]["failures"] == 0
 
 
 def test_backoff_grows_and_is_capped():
