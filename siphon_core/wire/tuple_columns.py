@@ -26,6 +26,8 @@ from siphon_core.wire.tuple_data import TupleDataError
 
 TEXT, BINARY, NULL, UNCHANGED = b"tbnu"
 _INT32_MAX = np.iinfo(np.int32).max
+# What `_step` says of a column without bytes.
+_NULL_VALUE, _UNCHANGED_VALUE = -1, -2
 # Error codes of the check.
 _WRONG_COUNT, _UNKNOWN_KIND, _TRUNCATED, _TRAILING = 1, 2, 3, 4
 
@@ -183,41 +185,48 @@ def _length(data, pos):  # pragma: no cover - compiled
             | (np.int64(data[pos + 3]) << 8) | np.int64(data[pos + 4]))
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _step(data, pos):  # pragma: no cover - compiled
+    """(length of the value at `pos`, or _NULL_VALUE / _UNCHANGED_VALUE; where the next column starts)."""
+    kind = data[pos]
+    if kind == 116 or kind == 98:
+        length = _length(data, pos)
+        return length, pos + 5 + length
+    return (_UNCHANGED_VALUE if kind == 117 else _NULL_VALUE), pos + 1
+
+
 @numba.njit(cache=True, nogil=True)
 def _gather_values(data, offsets, present, rows, column_count, slots, width):  # pragma: no cover - compiled
     """Binary column parts of the columns with a slot (>= 0) at `rows`: per slot its offsets, its
-    bytes (one buffer, slot i at bases[i]:bases[i + 1]) and validity. One walk per row finds the
-    values; a second pass copies them."""
+    bytes (one buffer, slot i at bases[i]:bases[i + 1]) and validity. Each row is walked twice, to
+    size the output and then to copy, reading the tuples in order both times."""
     count = rows.shape[0]
     sizes = np.zeros((width, count + 1), np.int64)  # becomes the offsets
-    starts = np.zeros((width, count), np.int64)
     valid = np.zeros((width, count), np.bool_)
     for i in range(count):
-        row = rows[i]
-        if present[row]:
-            pos = offsets[row] + 2
+        if present[rows[i]]:
+            pos = offsets[rows[i]] + 2
             for column in range(column_count):
-                kind = data[pos]
-                if kind == 116 or kind == 98:
-                    length = _length(data, pos)
-                    slot = slots[column]
-                    if slot >= 0:
-                        valid[slot, i] = True
-                        sizes[slot, i + 1] = length
-                        starts[slot, i] = pos + 5
-                    pos += 5 + length
-                else:
-                    pos += 1
+                length, following = _step(data, pos)
+                if slots[column] >= 0 and length >= 0:
+                    valid[slots[column], i] = True
+                    sizes[slots[column], i + 1] = length
+                pos = following
     bases = np.zeros(width + 1, np.int64)
     for j in range(width):
         for i in range(count):
             sizes[j, i + 1] += sizes[j, i]
         bases[j + 1] = bases[j] + sizes[j, count]
     out = np.empty(bases[width], np.uint8)
-    for i in range(count):  # row by row: the source bytes are read in order
-        for j in range(width):
-            at, size = bases[j] + sizes[j, i], sizes[j, i + 1] - sizes[j, i]
-            out[at:at + size] = data[starts[j, i]:starts[j, i] + size]
+    for i in range(count):
+        if present[rows[i]]:
+            pos = offsets[rows[i]] + 2
+            for column in range(column_count):
+                length, following = _step(data, pos)
+                if slots[column] >= 0 and length > 0:
+                    at = bases[slots[column]] + sizes[slots[column], i]
+                    out[at:at + length] = data[pos + 5:following]
+                pos = following
     return sizes, out, bases, valid
 
 
@@ -235,19 +244,17 @@ def _gather_keys(data, offsets, present, column_count, wanted, width):  # pragma
         found = 0
         ok = True
         for column in range(column_count):
-            kind = data[pos]
-            sized = kind == 116 or kind == 98
-            step = 5 + _length(data, pos) if sized else 1
+            length, following = _step(data, pos)
             if wanted[column] >= 0:
-                if not sized:
+                if length < 0:
                     ok = False
                     break
                 spans[row, wanted[column], 0] = pos
-                spans[row, wanted[column], 1] = step
+                spans[row, wanted[column], 1] = following - pos
                 found += 1
                 if found == width:
                     break
-            pos += step
+            pos = following
         if ok:
             valid[row] = True
             size = 2
@@ -292,13 +299,9 @@ def _walk_unchanged(data, offsets, present, row, column_count, out, at):  # prag
     if present[row]:
         pos = offsets[row] + 2
         for column in range(column_count):
-            kind = data[pos]
-            if kind == 116 or kind == 98:
-                pos += 5 + _length(data, pos)
-            else:
-                if kind == 117:
-                    if at >= 0:
-                        out[at + found] = column
-                    found += 1
-                pos += 1
+            length, pos = _step(data, pos)
+            if length == _UNCHANGED_VALUE:
+                if at >= 0:
+                    out[at + found] = column
+                found += 1
     return found
