@@ -48,6 +48,7 @@ import clickhouse_connect
 import psycopg
 import yaml
 from common import create_notes_table, print_json, print_table, services
+from nats.js.errors import NotFoundError
 from producer import WORKLOAD, Producer, SlotWatch, cpu_seconds, current_lsn
 
 from siphon_core import naming
@@ -212,12 +213,16 @@ def spark_jvm_pid(spark) -> int | None:
 
 
 def stream_messages(nats_url: str) -> int:
+    """Messages in the application's stream (0 before the producer created it)."""
+
     async def run() -> int:
         queue = JetStreamQueue(nats_url, StreamSettings(APPLICATION), name="bench")
         await queue.connect()
         try:
             info = await queue.js.stream_info(queue.settings.stream)
             return int(info.state.messages)
+        except NotFoundError:
+            return 0
         finally:
             await queue.close()
 
