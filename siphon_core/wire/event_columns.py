@@ -60,14 +60,27 @@ class EventColumns:
         return pb.Event.FromString(self.data[start:start + int(self.event_lengths[index])].tobytes())
 
 
-def read_package(serialized: bytes, where: str = "message") -> tuple[pb.Package, EventColumns | None]:
+def read_package(serialized: bytes, where: str = "message") -> tuple[pb.Package, EventColumns]:
     """The package's envelope (every field but `events`) through the generated classes, and its
-    events as columns; when the loop cannot read them, the whole package and None."""
+    events as columns. Bytes the loop cannot read are parsed whole by the generated classes
+    (which name what is wrong) and read again from their own serialization."""
     events = read_events(serialized)
     if events is None:
-        return parse_package(serialized, where), None
+        package = parse_package(serialized, where)
+        return package, package_events(package)
     envelope = _without_events(events.data)
     return parse_package(envelope.tobytes(), where), events
+
+
+def package_events(package: pb.Package) -> EventColumns:
+    """The events of a package built or parsed by the generated classes, as columns."""
+    known = pb.Package()
+    known.CopyFrom(package)
+    known.DiscardUnknownFields()  # kept unknown fields would be written back as they came
+    events = read_events(known.SerializeToString())
+    if events is None:  # the generated classes write only what the loop reads
+        raise ValueError(f"package {package.schema}.{package.table}: its events could not be read as columns")
+    return events
 
 
 def read_events(serialized: bytes) -> EventColumns | None:
@@ -132,6 +145,13 @@ def _varint(data, pos, end):  # pragma: no cover - compiled
     return value, -1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _tag(data, pos, end):  # pragma: no cover - compiled
+    """(field number, wire type, position after the tag); the position is -1 past the end."""
+    tag, pos = _varint(data, pos, end)
+    return np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7)), pos
+
+
 @numba.njit(cache=True, nogil=True)
 def _skip(data, pos, end, wire):  # pragma: no cover - compiled
     """Position after a field's value, or -1."""
@@ -156,12 +176,12 @@ def _count_events(data):  # pragma: no cover - compiled
     pos = 0
     count = 0
     while pos < end:
-        tag, pos = _varint(data, pos, end)
+        field, wire, pos = _tag(data, pos, end)
         if pos < 0:
             return -1
-        if np.int64(tag >> np.uint64(3)) == 6 and np.int64(tag & np.uint64(7)) == 2:
+        if field == 6 and wire == 2:
             count += 1
-        pos = _skip(data, pos, end, np.int64(tag & np.uint64(7)))
+        pos = _skip(data, pos, end, wire)
         if pos < 0:
             return -1
     return count
@@ -173,10 +193,9 @@ def _row_tuple(data, pos, end, previous_start, previous_length):  # pragma: no c
     without a tuple keeps the previous one. start -1: malformed."""
     start, length = previous_start, previous_length
     while pos < end:
-        tag, pos = _varint(data, pos, end)
+        field, wire, pos = _tag(data, pos, end)
         if pos < 0:
             return -1, 0
-        field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
         if field == 1 and wire == 2:
             size, pos = _varint(data, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
@@ -198,10 +217,9 @@ def _read_events(data, operations, commit_lsns, positions, commit_times, has_new
     pos = 0
     index = 0
     while pos < end:
-        tag, pos = _varint(data, pos, end)
+        field, wire, pos = _tag(data, pos, end)
         if pos < 0:
             return False
-        field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
         if not (field == 6 and wire == 2):
             pos = _skip(data, pos, end, wire)
             if pos < 0:
@@ -213,10 +231,9 @@ def _read_events(data, operations, commit_lsns, positions, commit_times, has_new
         stop = pos + np.int64(size)
         event_starts[index], event_lengths[index] = pos, np.int64(size)
         while pos < stop:
-            tag, pos = _varint(data, pos, stop)
+            field, wire, pos = _tag(data, pos, stop)
             if pos < 0:
                 return False
-            field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
             if wire == 0 and 1 <= field <= 9 and field != 6 and field != 7:
                 value, pos = _varint(data, pos, stop)
                 if pos < 0:
@@ -270,9 +287,9 @@ def _without_events(data):  # pragma: no cover - compiled
     pos = 0
     while pos < end:
         start = pos
-        tag, pos = _varint(data, pos, end)
-        pos = _skip(data, pos, end, np.int64(tag & np.uint64(7)))
-        if not (np.int64(tag >> np.uint64(3)) == 6 and np.int64(tag & np.uint64(7)) == 2):
+        field, wire, pos = _tag(data, pos, end)
+        pos = _skip(data, pos, end, wire)
+        if not (field == 6 and wire == 2):
             out[used:used + pos - start] = data[start:pos]
             used += pos - start
     return out[:used]

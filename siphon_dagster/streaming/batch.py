@@ -15,7 +15,7 @@ import numpy as np
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import EventColumns, read_package
+from siphon_core.wire.event_columns import EventColumns, package_events, read_package
 from siphon_core.wire.packages import ChunkReassembler, decompress_package, encode_package
 
 OPERATION_NAMES = {pb.INSERT: "insert", pb.UPDATE: "update", pb.DELETE: "delete", pb.TRUNCATE: "truncate",
@@ -44,10 +44,10 @@ class ReceivedPackage:
 
 def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes,
              events: EventColumns | None = None) -> ReceivedPackage:
-    """What the driver needs of a package; `events` are its events read as columns, when the
-    compiled reader could read them (else they are read through the generated classes)."""
+    """What the driver needs of a package; `events` are its events as columns when they were read
+    with it (`event_columns.read_package`)."""
     if events is None:
-        events = _event_columns(package)
+        events = package_events(package)
     operations_by_value = np.bincount(events.operations[events.operations >= 0],
                                       minlength=len(_OPERATION_VALUES))
     operations: Counter[str] = Counter()
@@ -69,16 +69,6 @@ def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes,
         oldest_commit_time_us=oldest, newest_commit_time_us=newest, operations=operations,
         truncated_at=truncated_at,
     )
-
-
-def _event_columns(package: pb.Package) -> EventColumns:
-    """The columns `describe` reads, through the generated classes."""
-    fields = [(e.operation, e.commit_lsn, e.position, e.commit_time_us) for e in package.events]
-    operations, lsns, positions, times = zip(*fields, strict=True) if fields else ((), (), (), ())
-    empty = np.zeros(len(fields), np.int64)
-    return EventColumns(np.zeros(0, np.uint8), np.array(operations, np.int64), np.array(lsns, np.uint64),
-                        np.array(positions, np.int64), np.array(times, np.int64), empty.astype(bool), empty, empty,
-                        empty.astype(bool), empty, empty, empty.astype(bool), empty.astype(bool), empty, empty)
 
 
 def _detached(column: pb.Column) -> pb.Column:

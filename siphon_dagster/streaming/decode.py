@@ -132,9 +132,7 @@ class PackageDecoder:
         align = self._alignment(package, where)
         # The common events are read as columns, with no Python per event: an INSERT's or a plain
         # UPDATE's new tuple, a DELETE's old key, is the row as sent.
-        if columns is None:
-            others = list(package.events)
-        elif align is not None:
+        if align is not None:
             others = [columns.event(i) for i in range(len(columns))]
         else:
             ops, has_old = columns.operations, columns.has_old_row

@@ -151,38 +151,41 @@ def test_an_untagged_run_counts_as_dead_only_long_after_it_started():
     assert "never reported" in dead_run_reason(run, started_at=1e9 - 3600, now=1e9)
 
 
-def test_streaming_sensor_backs_off_after_repeated_failures_and_resumes_later(config):
+def _tick_at(config, instance: dg.DagsterInstance, now: float) -> dg.SensorResult:
+    """A tick of the streaming sensor as if the clock read `now`."""
     defs = build_definitions(config)
     specs = table_specs(config)
     job = defs.resolve_job_def(streaming_job_name(config))
+    sensor = build_streaming_sensor(specs, "later", {("clickhouse", specs[0].qualified_name): job},
+                                    failure_threshold=3, now=lambda: now)
+    return sensor(dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs))
+
+
+def _failed_runs(config, instance: dg.DagsterInstance, count: int) -> str:
+    job_name = streaming_job_name(config)
+    for _ in range(count):
+        create_run_for_test(instance, job_name=job_name, status=dg.DagsterRunStatus.FAILURE)
+    return job_name
+
+
+def test_streaming_sensor_backs_off_after_repeated_failures_and_resumes_later(config):
     with dg.instance_for_test() as instance:
-        for _ in range(4):
-            create_run_for_test(instance, job_name=job.name, status=dg.DagsterRunStatus.FAILURE)
-        result = tick(defs, config, instance, "_streaming")
+        job_name = _failed_runs(config, instance, 4)
+        result = tick(build_definitions(config), config, instance, "_streaming")
         assert result.run_requests == []
-        state = json.loads(result.cursor)[job.name]
+        state = json.loads(result.cursor)[job_name]
         assert state["failures"] == 4 and state["backoff_until"] > 0
         # Once the backoff has passed, the sensor tries again.
-        later = build_streaming_sensor(specs, "later", {("clickhouse", specs[0].qualified_name): job},
-                                       failure_threshold=3, now=lambda: state["backoff_until"] + 1)
-        context = dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs)
-        assert [r.job_name for r in later(context).run_requests] == [job.name]
+        assert [r.job_name for r in _tick_at(config, instance, state["backoff_until"] + 1).run_requests] == [job_name]
 
 
 def test_failures_of_an_earlier_session_do_not_hold_back_a_fresh_start(config):
-    defs = build_definitions(config)
-    specs = table_specs(config)
-    job = defs.resolve_job_def(streaming_job_name(config))
     with dg.instance_for_test() as instance:
-        for _ in range(8):
-            create_run_for_test(instance, job_name=job.name, status=dg.DagsterRunStatus.FAILURE)
+        job_name = _failed_runs(config, instance, 8)
         # Two hours later (the runs ended "now"), the streak is forgotten and a run starts at once.
-        later = build_streaming_sensor(specs, "later", {("clickhouse", specs[0].qualified_name): job},
-                                       failure_threshold=3, now=lambda: time.time() + 2 * FAILURE_MEMORY_SECONDS)
-        context = dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs)
-        result = later(context)
-        assert [r.job_name for r in result.run_requests] == [job.name]
-        assert json.loads(result.cursor)[job.name]["failures"] == 0
+        result = _tick_at(config, instance, time.time() + 2 * FAILURE_MEMORY_SECONDS)
+        assert [r.job_name for r in result.run_requests] == [job_name]
+        assert json.loads(result.cursor)[job_name]["failures"] == 0
 
 
 def test_backoff_grows_and_is_capped():

@@ -115,3 +115,16 @@ def test_a_package_the_loop_cannot_read_is_parsed_whole():
     serialized = pb.Package(schema="public").SerializeToString() + bytes([3 << 3 | 3])  # a group
     with pytest.raises(PackageError, match="not a Siphon package"):
         read_package(serialized, "stream sequence 3")
+
+
+def test_a_package_only_the_generated_classes_read_still_reads_as_columns():
+    event = pb.Event(operation=pb.INSERT, commit_lsn=5, position=1)
+    event.new_row.tuple = b"row"
+    event_bytes = event.SerializeToString() + bytes([15 << 3 | 3, 15 << 3 | 4])  # an empty unknown group
+    serialized = pb.Package(schema="public").SerializeToString() + bytes([6 << 3 | 2, len(event_bytes)]) + event_bytes
+    assert read_events(serialized) is None
+
+    package, events = read_package(serialized)
+
+    assert package.schema == "public" and len(events) == 1
+    assert events.event(0) == event
