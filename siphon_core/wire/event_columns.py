@@ -145,13 +145,6 @@ def _varint(data, pos, end):  # pragma: no cover - compiled
     return value, -1
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _tag(data, pos, end):  # pragma: no cover - compiled
-    """(field number, wire type, position after the tag); the position is -1 past the end."""
-    tag, pos = _varint(data, pos, end)
-    return np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7)), pos
-
-
 @numba.njit(cache=True, nogil=True)
 def _skip(data, pos, end, wire):  # pragma: no cover - compiled
     """Position after a field's value, or -1."""
@@ -176,12 +169,12 @@ def _count_events(data):  # pragma: no cover - compiled
     pos = 0
     count = 0
     while pos < end:
-        field, wire, pos = _tag(data, pos, end)
+        tag, pos = _varint(data, pos, end)
         if pos < 0:
             return -1
-        if field == 6 and wire == 2:
+        if np.int64(tag >> np.uint64(3)) == 6 and np.int64(tag & np.uint64(7)) == 2:
             count += 1
-        pos = _skip(data, pos, end, wire)
+        pos = _skip(data, pos, end, np.int64(tag & np.uint64(7)))
         if pos < 0:
             return -1
     return count
@@ -193,9 +186,10 @@ def _row_tuple(data, pos, end, previous_start, previous_length):  # pragma: no c
     without a tuple keeps the previous one. start -1: malformed."""
     start, length = previous_start, previous_length
     while pos < end:
-        field, wire, pos = _tag(data, pos, end)
+        tag, pos = _varint(data, pos, end)
         if pos < 0:
             return -1, 0
+        field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
         if field == 1 and wire == 2:
             size, pos = _varint(data, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
@@ -217,9 +211,10 @@ def _read_events(data, operations, commit_lsns, positions, commit_times, has_new
     pos = 0
     index = 0
     while pos < end:
-        field, wire, pos = _tag(data, pos, end)
+        tag, pos = _varint(data, pos, end)
         if pos < 0:
             return False
+        field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
         if not (field == 6 and wire == 2):
             pos = _skip(data, pos, end, wire)
             if pos < 0:
@@ -231,9 +226,10 @@ def _read_events(data, operations, commit_lsns, positions, commit_times, has_new
         stop = pos + np.int64(size)
         event_starts[index], event_lengths[index] = pos, np.int64(size)
         while pos < stop:
-            field, wire, pos = _tag(data, pos, stop)
+            tag, pos = _varint(data, pos, stop)
             if pos < 0:
                 return False
+            field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
             if wire == 0 and 1 <= field <= 9 and field != 6 and field != 7:
                 value, pos = _varint(data, pos, stop)
                 if pos < 0:
@@ -287,9 +283,9 @@ def _without_events(data):  # pragma: no cover - compiled
     pos = 0
     while pos < end:
         start = pos
-        field, wire, pos = _tag(data, pos, end)
-        pos = _skip(data, pos, end, wire)
-        if not (field == 6 and wire == 2):
+        tag, pos = _varint(data, pos, end)
+        pos = _skip(data, pos, end, np.int64(tag & np.uint64(7)))
+        if not (np.int64(tag >> np.uint64(3)) == 6 and np.int64(tag & np.uint64(7)) == 2):
             out[used:used + pos - start] = data[start:pos]
             used += pos - start
     return out[:used]
