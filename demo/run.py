@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     stack_dir = directory / "stack"
     processes: list[tuple[str, int]] = []
     stop = threading.Event()
+    snapshotting = _Snapshotting()
     try:
         print("starting the local stack (PostgreSQL, NATS JetStream, embedded ClickHouse, fakesnow, "
               "Spark Connect)...", flush=True)
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
         writer = threading.Thread(target=_write_forever, args=(env["SIPHON_PG_DSN"], args.rate, stop), daemon=True)
         writer.start()
-        loader = threading.Thread(target=_snapshot_everything, args=(config_path, env, directory, stop), daemon=True)
+        loader = threading.Thread(target=_snapshot_everything, args=(config_path, env, directory, stop, snapshotting),
+                                  daemon=True)
         loader.start()
         print(f"""
 Siphon demo is running.
@@ -126,6 +128,7 @@ streaming run per (target, table) alive. Press Ctrl-C to stop everything.
     finally:
         stop.set()
         print("stopping...", flush=True)
+        snapshotting.stop()
         for name, pid in reversed(processes):
             stop_pid(pid, timeout=30.0 if name == "producer" else 20.0)
         stack.down(stack_dir)
@@ -133,26 +136,52 @@ streaming run per (target, table) alive. Press Ctrl-C to stop everything.
     return 0
 
 
-def _snapshot_everything(config_path: Path, env: dict[str, str], directory: Path, stop: threading.Event) -> None:
+class _Snapshotting:
+    """The snapshot command running now, so that stopping the demo stops it too (by its pid)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._stopped = False
+
+    def run(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            process = start_process("dagster asset materialize", argv, log_path, env=env)
+            self._pid = process.pid
+        process.wait()
+        with self._lock:
+            self._pid = None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            pid = self._pid
+        if pid is not None:
+            stop_pid(pid, timeout=20.0)
+
+
+def _snapshot_everything(config_path: Path, env: dict[str, str], directory: Path, stop: threading.Event,
+                         snapshotting: _Snapshotting) -> None:
     """The initial load: every partition of every target asset, one asset at a time."""
     from siphon_core.config import load_config
     from siphon_dagster.specs import table_specs
 
     bin_dir = Path(sys.executable).parent
-    with open(directory / "snapshots.log", "ab") as log:
-        for spec in table_specs(load_config(config_path)):
-            for target in spec.targets:
-                if stop.is_set():
-                    return
-                keys = subprocess.run([str(bin_dir / "siphon-dagster"), "partitions", "list", "--table",
-                                       spec.qualified_name], env=env, capture_output=True, text=True).stdout
-                ranges = [line.strip() for line in keys.splitlines() if line.startswith("  ")]
-                if not ranges:
-                    continue
-                selection = "/".join(spec.target_key(target).path)
-                subprocess.run([str(bin_dir / "dagster"), "asset", "materialize", "-m", "siphon_dagster",
-                                "--select", selection, "--partition-range", f"{ranges[0]}...{ranges[-1]}"],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
+    for spec in table_specs(load_config(config_path)):
+        for target in spec.targets:
+            if stop.is_set():
+                return
+            keys = subprocess.run([str(bin_dir / "siphon-dagster"), "partitions", "list", "--table",
+                                   spec.qualified_name], env=env, capture_output=True, text=True).stdout
+            ranges = [line.strip() for line in keys.splitlines() if line.startswith("  ")]
+            if not ranges:
+                continue
+            selection = "/".join(spec.target_key(target).path)
+            snapshotting.run([str(bin_dir / "dagster"), "asset", "materialize", "-m", "siphon_dagster",
+                              "--select", selection, "--partition-range", f"{ranges[0]}...{ranges[-1]}"],
+                             env, directory / "snapshots.log")
 
 
 def _write_forever(dsn: str, rate: float, stop: threading.Event) -> None:
