@@ -5,17 +5,22 @@ changes of a key in the same batch would be overwritten anyway. A DELETE wins ov
 a later INSERT wins over the DELETE because its version is greater. Changes at or before the
 batch's last TRUNCATE are dropped (the truncate tombstones their keys anyway).
 
-It runs on Arrow tables in Spark's Python workers (siphon_dagster.streaming.spark_plan): once over
-each task's decoded changes before the shuffle, once over each key bucket after it. Folding parts
-first is exact: the latest change of a key is the latest of its parts' latest changes.
+It runs on Arrow tables (siphon_dagster.streaming.spark_plan): over each Spark task's decoded
+changes in the Python workers, then on the driver over the tasks' folded pieces (`merge_pieces`).
+Folding parts first is exact: the latest change of a key is the latest of its parts' latest
+changes.
 
-Keys are dictionary-encoded first, so the sort compares integers, never the key bytes.
+Keys are dictionary-encoded first, so the sort compares integers, never the key bytes. Pieces are
+merged by looking up one piece's keys in the other's, so that only rows a newer copy replaces are
+dropped and nothing is copied when the pieces share no key.
 
 The latest row's unchanged TOASTed values are filled afterwards from the batch's history of the
 key, the target or the source (siphon_dagster.streaming.toast).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -57,6 +62,40 @@ def latest_indices(changes: pa.Table, truncated_at: int | None = None) -> np.nda
 def fold_changes(changes: pa.Table, truncated_at: int | None = None) -> pa.Table:
     """One row per key, its latest change, in the layout of `changes`."""
     return changes.take(pa.array(latest_indices(changes, truncated_at), pa.int64()))
+
+
+def merge_pieces(pieces: Sequence[pa.Table]) -> pa.Table:
+    """The latest row of each key among pieces that each hold a key at most once (folded, without
+    TRUNCATE rows), in the layout of the pieces."""
+    pieces = [piece for piece in pieces if piece.num_rows]
+    if not pieces:
+        raise ValueError("merge_pieces needs at least one non-empty piece")
+    merged = pieces[0]
+    for piece in pieces[1:]:
+        merged = _merge_two(merged, piece)
+    return merged
+
+
+def _merge_two(first: pa.Table, second: pa.Table) -> pa.Table:
+    # For each row of `second`, the row of `first` with the same key (null when there is none).
+    found = pc.index_in(second.column("_key"), value_set=first.column("_key").combine_chunks())
+    shared_second = np.flatnonzero(found.is_valid().to_numpy(zero_copy_only=False))
+    if not shared_second.size:
+        return pa.concat_tables([first, second])
+    shared_first = found.drop_null().to_numpy().astype(np.int64)
+    lsn_first, position_first = _numpy(first.column("_lsn"))[shared_first], _numpy(first.column("_pos"))[shared_first]
+    lsn_second, position_second = (_numpy(second.column("_lsn"))[shared_second],
+                                    _numpy(second.column("_pos"))[shared_second])
+    second_newer = (lsn_second > lsn_first) | ((lsn_second == lsn_first) & (position_second >= position_first))
+    keep_first = np.ones(first.num_rows, bool)
+    keep_first[shared_first[second_newer]] = False
+    keep_second = np.ones(second.num_rows, bool)
+    keep_second[shared_second[~second_newer]] = False
+    return pa.concat_tables([_kept(first, keep_first), _kept(second, keep_second)])
+
+
+def _kept(rows: pa.Table, keep: np.ndarray) -> pa.Table:
+    return rows if keep.all() else rows.filter(pa.array(keep))
 
 
 def with_version(rows: pa.Table) -> pa.Table:

@@ -40,7 +40,7 @@ from siphon_dagster.streaming.decode import (
     folded_schema,
     locate_changes,
 )
-from siphon_dagster.streaming.fold import fold_changes, latest_indices, with_version
+from siphon_dagster.streaming.fold import latest_indices, merge_pieces, with_version
 from siphon_dagster.streaming.spark_session import decode_slices, is_remote
 
 BLOB_DDL = "_blob binary"
@@ -63,10 +63,9 @@ def folded_pieces(spark: SparkSession, packages: Sequence[ReceivedPackage], spec
 def merge_folded(pieces: Sequence[pa.Table], column_count: int) -> pa.Table:
     """The latest row of each key among folded pieces, laid out as `decode.folded_schema`: `_key,
     _op, _lsn, _pos, _seq, _reset, _origin, _unchanged, c0..cN` (values as binary), `_version`."""
-    if not pieces:
+    if not any(piece.num_rows for piece in pieces):
         return folded_schema(column_count).empty_table()
-    rows = pieces[0] if len(pieces) == 1 else fold_changes(pa.concat_tables(pieces))
-    return with_version(rows)
+    return with_version(merge_pieces(pieces))
 
 
 def warm_up(spark: SparkSession, rounds: int = WARM_UP_ROUNDS) -> None:

@@ -13,7 +13,7 @@ from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_dagster.streaming import spark_plan
 from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec, locate_changes
-from siphon_dagster.streaming.fold import fold_changes
+from siphon_dagster.streaming.fold import fold_changes, merge_pieces
 from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
 
 SPEC = DecodeSpec(tuple(c.name for c in NOTES), ("id",))
@@ -97,3 +97,37 @@ def test_changes_up_to_the_last_truncate_are_dropped():
     folded = fold_changes(changes, naming.row_version(11, 1))
 
     assert sorted(folded.column("_lsn").to_pylist()) == [12, 13]
+
+
+@pytest.mark.parametrize("overlap", ["none", "some", "all"])
+def test_merging_folded_pieces_keeps_the_newest_copy_of_each_key(overlap):
+    rng = random.Random(len(overlap))
+    pieces, newest = [], {}
+    for piece_number in range(3):
+        if overlap == "none":
+            keys = [f"{piece_number}-{k}" for k in range(50)]
+        elif overlap == "all":
+            keys = [str(k) for k in range(50)]
+        else:
+            keys = [str(k) for k in rng.sample(range(100), 50)]
+        rows = {"_key": [], "_lsn": [], "_pos": [], "c0": []}
+        for key in keys:
+            # Equal LSNs across pieces, told apart by position: a key's versions never tie.
+            lsn, position = rng.randrange(1, 5), piece_number * 3 + rng.randrange(1, 3)
+            rows["_key"].append(key.encode())
+            rows["_lsn"].append(lsn)
+            rows["_pos"].append(position)
+            rows["c0"].append(f"{piece_number}".encode())
+            if key not in newest or (lsn, position) > newest[key][0]:
+                newest[key] = ((lsn, position), str(piece_number))
+        pieces.append(pa.table({"_key": pa.array(rows["_key"], pa.binary()), "_lsn": pa.array(rows["_lsn"], pa.int64()),
+                                "_pos": pa.array(rows["_pos"], pa.int64()), "c0": pa.array(rows["c0"], pa.binary())}))
+    pieces.insert(1, pieces[0].schema.empty_table())
+
+    merged = merge_pieces(pieces)
+
+    got = {}
+    for row in merged.to_pylist():
+        assert row["_key"].decode() not in got, "a key survived twice"
+        got[row["_key"].decode()] = ((row["_lsn"], row["_pos"]), row["c0"].decode())
+    assert got == newest
