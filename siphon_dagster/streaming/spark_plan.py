@@ -8,7 +8,7 @@
                                        by the write step, while Spark works on the next batch
 
 Each task hands back one row per key it saw, so the driver receives at most (tasks x keys) rows
-and keeps each key's newest: folding parts first is exact (siphon_dagster.streaming.fold). The
+and keeps each key's newest: folding parts first is exact (siphon_dagster.streaming.fold.merge_pieces). The
 driver holds the batch's folded rows anyway, to complete and write them; a shuffle to fold them
 on executors instead cost more than the merge (a second stage, shuffle files and Arrow
 conversions in the JVM: about a third of a second per batch on 2 cores, against tens of
