@@ -39,8 +39,22 @@ def job_suffix(schema: str, table: str) -> str:
     return _NON_WORD.sub("_", base)
 
 
-def resync_job_name(schema: str, table: str) -> str:
-    return f"resync_{job_suffix(schema, table)}"
+def asset_path_text(target: str, schema: str, table: str) -> str:
+    """How the Dagster UI and CLI (`--select`) spell a table's target asset: `clickhouse/public/notes`."""
+    return "/".join(asset_key_path(target, schema, table))
+
+
+def resnapshot_advice(target: str, schema: str, table: str) -> str:
+    """What brings a target's rows back to the source's values when the stream cannot."""
+    return (f"snapshot the table again: materialize every partition of asset {asset_path_text(target, schema, table)} "
+            "(a backfill of all its partitions; the stream goes on meanwhile)")
+
+
+def rebuild_advice(target: str, schema: str, table: str) -> str:
+    """What rebuilds a target table that cannot follow the source's schema."""
+    return (f"rebuild it: `siphon-dagster target drop --target {target} --table {schema}.{table}`, then "
+            f"materialize every partition of asset {asset_path_text(target, schema, table)}; the stream then "
+            "resumes where it stopped")
 
 
 def stream_job_name(target: str, schema: str, table: str) -> str:

@@ -13,9 +13,14 @@ from siphon_core import naming
 from siphon_dagster import source
 from siphon_dagster.partitions import parse_key
 from siphon_dagster.resources import PostgresResource
-from siphon_dagster.snapshot.reader import SnapshotProgress, exported_snapshot, read_range
+from siphon_dagster.snapshot.reader import (
+    SnapshotProgress,
+    exported_snapshot,
+    read_locked_range,
+    snapshot_transaction,
+)
 from siphon_dagster.specs import TableSpec
-from siphon_dagster.targets.base import TableSchema
+from siphon_dagster.targets.base import TableSchema, Target
 
 SNAPSHOT_POOL = "siphon_snapshot"
 
@@ -86,39 +91,38 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         # snapshot is held stay those of one range.
         ranges = [parse_key(key, spec.table.blocks_per_partition) for key in context.partition_keys]
         source_resource: PostgresResource = context.resources.source
-        with source_resource.connect() as connection:
-            table = source.table_schema(connection, spec.table)
-            # A snapshot may be the first to meet a column added at the source: rows outside its
-            # ranges must get the value PostgreSQL gave them, as the stream's schema step does.
-            existing = source.existing_rows_values(connection, table.schema, table.table,
-                                                   [c for c in table.columns if not c.primary_key])
         destination = getattr(context.resources, resource_key).open_target()
         progress = SnapshotProgress()
         consistent_points: list[str] = []
+        ensured: TableSchema | None = None
 
         def report(p: SnapshotProgress) -> None:
             context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, {p.bytes / 1e6:,.1f} MB, "
                              f"{p.rows / p.seconds:,.0f} rows/s")
 
         try:
-            change = destination.ensure_table(table, source.backfill(existing))
-            for name in change.added_columns:
-                if not existing[name].known:
-                    context.log.warning(existing[name].resync_warning(table.schema, table.table, target))
             dsn = source_resource.snapshot_source_dsn
             for block_range in ranges:
-                with exported_snapshot(dsn, on_wait=context.log.warning) as slot:
+                with exported_snapshot(dsn, on_wait=context.log.warning) as slot, \
+                        snapshot_transaction(dsn, slot.snapshot_name, spec.schema, spec.name) as reading:
+                    # The table is locked against DDL from here on: the columns read now, from the
+                    # current catalog, are the ones the COPY reads, whatever was altered since the
+                    # run started or the slot was created.
+                    table, existing = _current_columns(dsn, spec)
+                    if table != ensured:
+                        _ensure(context, destination, table, existing, target)
+                        ensured = table
                     consistent_points.append(naming.format_lsn(slot.consistent_point))
                     context.log.info(f"reading blocks {block_range.first_block}..{block_range.last_block} of "
                                      f"{spec.qualified_name} as of {consistent_points[-1]}")
-                    chunks = read_range(dsn, slot.snapshot_name, table, block_range, progress, on_progress=report)
+                    chunks = read_locked_range(reading, table, block_range, progress, on_progress=report)
                     destination.apply_copy_text(table, chunks, naming.row_version(slot.consistent_point, 0))
         finally:
             destination.close()
         report(progress)
         return dg.MaterializeResult(metadata={
             "dagster/row_count": progress.rows,
-            "dagster/column_schema": column_schema_metadata(table),
+            "dagster/column_schema": column_schema_metadata(ensured) if ensured is not None else None,
             "first_block": ranges[0].first_block,
             "last_block": ranges[-1].last_block,
             "partitions": len(ranges),
@@ -130,3 +134,22 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         })
 
     return _snapshot
+
+
+def _current_columns(dsn: str, spec: TableSpec) -> tuple[TableSchema, dict[str, source.ExistingRowsValue]]:
+    """The table's columns in the current catalog, and what rows older than each column hold in it."""
+    with source.connect(dsn, autocommit=True) as connection:
+        table = source.table_schema(connection, spec.table)
+        # A snapshot may be the first to meet a column added at the source: rows outside its
+        # ranges must get the value PostgreSQL gave them, as the stream's schema step does.
+        existing = source.existing_rows_values(connection, table.schema, table.table,
+                                               [c for c in table.columns if not c.primary_key])
+    return table, existing
+
+
+def _ensure(context: dg.AssetExecutionContext, destination: Target, table: TableSchema,
+            existing: dict[str, source.ExistingRowsValue], target: str) -> None:
+    change = destination.ensure_table(table, source.backfill(existing))
+    for name in change.added_columns:
+        if not existing[name].known:
+            context.log.warning(existing[name].unfilled_warning(table.schema, table.table, target))

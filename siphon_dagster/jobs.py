@@ -1,11 +1,11 @@
-"""Jobs per table: `stream_<target>_<table>` applies the queue to one target; `resync_<table>` rebuilds."""
+"""Jobs per table and target: `stream_<target>_<table>` applies the queue to the target."""
 
 import time
 
 import dagster as dg
 
 from siphon_core import naming
-from siphon_dagster.run_liveness import WORKER_TAG, worker_identity
+from siphon_dagster.run_liveness import WORKER_TAG, stop_when_orphaned, worker_identity
 from siphon_dagster.specs import TableSpec
 
 STREAM_TAG = "siphon/stream"
@@ -80,8 +80,9 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
         )
         started = time.monotonic()
         try:
-            summary = consumer.run(stop_when_drained=config.stop_when_drained, max_batches=config.max_batches,
-                                   on_batch=record)
+            with stop_when_orphaned(consumer.stop, context.log.warning):
+                summary = consumer.run(stop_when_drained=config.stop_when_drained, max_batches=config.max_batches,
+                                       on_batch=record)
         finally:
             destination.close()
         context.log.info(f"{summary.batches} batches, {summary.events} events, {summary.rows_applied} rows applied "

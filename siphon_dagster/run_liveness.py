@@ -1,4 +1,4 @@
-"""Whether a streaming run's worker still exists.
+"""Whether a streaming run's worker still exists, and a step that outlives it.
 
 Dagster's default run launcher cannot tell a run whose process was killed (`dagster dev` stopped
 hard, a machine restarted) from a live one: the run stays STARTED, and a sensor that waits for it
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import dagster as dg
 
@@ -51,3 +54,35 @@ def _start_ticks(pid: int) -> str:
     if fields[0] == "Z":
         return "gone"
     return fields[19]  # field 22 of proc(5), counted after the command name
+
+
+@contextmanager
+def stop_when_orphaned(stop: Callable[[], None], on_orphaned: Callable[[str], None],
+                       grace_seconds: float = 60.0, interval_seconds: float = 1.0) -> Iterator[None]:
+    """Calls `stop` when this process's parent dies, and exits the process if it has not left the
+    block `grace_seconds` later.
+
+    A step of Dagster's multiprocess executor runs in a child of the run's worker. When the worker
+    is killed, Dagster marks the run failed and the sensor starts another, but the child lives on
+    and keeps applying the stream beside its replacement. Nothing it has not acked is lost when it
+    stops: its unacknowledged messages are redelivered to the replacement.
+    """
+    parent = os.getppid()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(interval_seconds):
+            if os.getppid() != parent:
+                on_orphaned(f"the run's worker process {parent} is gone: stopping after the batch in progress")
+                stop()
+                if not done.wait(grace_seconds):
+                    on_orphaned(f"still running {grace_seconds:.0f}s after the run's worker died: exiting")
+                    os._exit(1)
+                return
+
+    watcher = threading.Thread(target=watch, name="siphon-orphan-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()

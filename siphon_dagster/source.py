@@ -86,12 +86,12 @@ class ExistingRowsValue:
     def null(column: str) -> ExistingRowsValue:
         return ExistingRowsValue(column, known=True)
 
-    def resync_warning(self, schema: str, table: str, target: str) -> str:
+    def unfilled_warning(self, schema: str, table: str, target: str) -> str:
         """What an operator reads when the column was added at `target` without these rows' values."""
         return (f"table {schema}.{table}: column {self.column!r} was added at the source, and what the rows that "
                 f"existed before it hold in it is not in the stream: {self.reason}. At target {target} those rows "
-                f"read NULL in {self.column!r} until the table is resynced (job "
-                f"{naming.resync_job_name(schema, table)}).")
+                f"read NULL in {self.column!r} until they are read again: "
+                f"{naming.resnapshot_advice(target, schema, table)}.")
 
 
 def backfill(values: Mapping[str, ExistingRowsValue]) -> dict[str, str]:

@@ -58,10 +58,6 @@ class TableSpec:
     def job_suffix(self) -> str:
         return naming.job_suffix(self.schema, self.name)
 
-    @property
-    def resync_job_name(self) -> str:
-        return naming.resync_job_name(self.schema, self.name)
-
     def stream_job_name(self, target: str) -> str:
         return naming.stream_job_name(target, self.schema, self.name)
 
@@ -78,8 +74,9 @@ def table_specs(config: SiphonConfig) -> list[TableSpec]:
     job_names: dict[str, str] = {}
     for spec in specs:
         # Different tables can collapse to one job name (`a.b` and `a_b`); refuse clearly.
-        other = job_names.setdefault(spec.resync_job_name, spec.qualified_name)
+        other = job_names.setdefault(spec.job_suffix, spec.qualified_name)
         if other != spec.qualified_name:
-            raise ValueError(f"tables {other} and {spec.qualified_name} would share the job name "
-                             f"{spec.resync_job_name}; rename one or replicate them in separate applications")
+            raise ValueError(f"tables {other} and {spec.qualified_name} would share the job names "
+                             f"stream_<target>_{spec.job_suffix}; rename one or replicate them in separate "
+                             "applications")
     return specs

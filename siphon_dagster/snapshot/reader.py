@@ -92,27 +92,50 @@ def copy_query(table: TableSchema, block_range: BlockRange) -> sql.Composed:
     )
 
 
-def read_range(dsn: str, snapshot_name: str, table: TableSchema, block_range: BlockRange,
-               progress: SnapshotProgress, chunk_bytes: int = CHUNK_BYTES,
-               on_progress: Callable[[SnapshotProgress], None] | None = None) -> Iterator[bytes]:
-    """COPY text of the range as chunks of whole lines, at most about `chunk_bytes` each.
+@contextmanager
+def snapshot_transaction(dsn: str, snapshot_name: str, schema: str, table: str) -> Iterator[psycopg.Connection[Any]]:
+    """A REPEATABLE READ transaction on the exported snapshot, holding the table's ACCESS SHARE lock.
 
-    Memory stays at one chunk whatever the range's size: rows are read as the consumer takes chunks.
+    The lock (the one COPY takes anyway) is taken first: from then on no ALTER TABLE can commit until
+    the range is read, so a column list read now from the current catalog is the one the COPY parses
+    against. Rows as of the snapshot that predate a column added since come out with the value
+    PostgreSQL gives them (the catalog's missing value, or NULL).
     """
     with connect(dsn, application_name="siphon snapshot") as connection:
         connection.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         connection.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
-        last_report = time.monotonic()
-        statement = copy_query(table, block_range).as_bytes(connection)
-        with closing(copy_out(connection, statement, chunk_bytes)) as chunks:
-            for chunk, rows in chunks:
-                progress.rows += rows
-                progress.bytes += len(chunk)
-                yield chunk
-                if on_progress is not None and time.monotonic() - last_report > 5.0:
-                    on_progress(progress)
-                    last_report = time.monotonic()
-        connection.rollback()
+        connection.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(sql.Identifier(schema, table)))
+        yield connection
+        if not connection.closed:
+            connection.rollback()
+
+
+def read_range(dsn: str, snapshot_name: str, table: TableSchema, block_range: BlockRange,
+               progress: SnapshotProgress, chunk_bytes: int = CHUNK_BYTES,
+               on_progress: Callable[[SnapshotProgress], None] | None = None) -> Iterator[bytes]:
+    """`read_locked_range` in a transaction of its own."""
+    with snapshot_transaction(dsn, snapshot_name, table.schema, table.table) as connection:
+        yield from read_locked_range(connection, table, block_range, progress, chunk_bytes, on_progress)
+
+
+def read_locked_range(connection: psycopg.Connection[Any], table: TableSchema, block_range: BlockRange,
+                      progress: SnapshotProgress, chunk_bytes: int = CHUNK_BYTES,
+                      on_progress: Callable[[SnapshotProgress], None] | None = None) -> Iterator[bytes]:
+    """COPY text of the range as chunks of whole lines, at most about `chunk_bytes` each, read in a
+    `snapshot_transaction`.
+
+    Memory stays at one chunk whatever the range's size: rows are read as the consumer takes chunks.
+    """
+    last_report = time.monotonic()
+    statement = copy_query(table, block_range).as_bytes(connection)
+    with closing(copy_out(connection, statement, chunk_bytes)) as chunks:
+        for chunk, rows in chunks:
+            progress.rows += rows
+            progress.bytes += len(chunk)
+            yield chunk
+            if on_progress is not None and time.monotonic() - last_report > 5.0:
+                on_progress(progress)
+                last_report = time.monotonic()
 
 
 def copy_out(connection: psycopg.Connection[Any], statement: bytes,

@@ -11,7 +11,7 @@ Rows that predate an added column get no change event for it, yet PostgreSQL may
 value (ADD COLUMN ... DEFAULT). The source catalog tells which (SourceRowReader.existing_rows_values);
 the target adds the column holding that value. When the catalog cannot tell (a volatile default,
 an identity or generated column: PostgreSQL rewrote the table), the column is added as NULL and a
-warning names the table, the column and the resync that repairs it (`take_warnings`).
+warning names the table, the column and how to repair it (`take_warnings`).
 """
 
 from __future__ import annotations
@@ -121,16 +121,17 @@ class SchemaTracker:
             raise IncompatibleSchemaError(
                 f"table {self.qualified_name}: target {self.target.name} cannot follow the source's schema as "
                 f"of stream sequence {newest.sequence}: {'; '.join(map(str, change.incompatible))}. The "
-                "table's stream stops here; rebuild its targets with the table's resync job")
+                f"table's stream stops here; "
+                f"{naming.rebuild_advice(self.target.name, self.schema, self.table)}")
         unread = "this run has no source connection to read the catalog from" if self.source is None else \
             "the source catalog was not read for it"
         for name in change.added_columns:
             value = existing.get(name) or ExistingRowsValue(name, known=False, reason=unread)
             if not value.known:
-                self._warnings.append(value.resync_warning(self.schema, self.table, self.target.name))
-                _log.warning("rows that predate an added column hold values the stream never carried; resync "
-                             "the table", table=self.qualified_name, target=self.target.name, column=name,
-                             reason=value.reason, job=naming.resync_job_name(self.schema, self.table))
+                self._warnings.append(value.unfilled_warning(self.schema, self.table, self.target.name))
+                _log.warning("rows that predate an added column hold values the stream never carried; snapshot "
+                             "the table again", table=self.qualified_name, target=self.target.name, column=name,
+                             reason=value.reason)
 
     def _schema(self, columns: Sequence[pb.Column]) -> TableSchema:
         categories = self.source.type_categories([c.type_oid for c in columns]) if self.source else None
@@ -150,5 +151,5 @@ class SchemaTracker:
                 where = f"stream sequence {sequence}" if sequence else "the batches applied before"
                 raise SchemaChangeError(
                     f"table {self.qualified_name}: the primary key changed from {list(other)} ({where}) to "
-                    f"{list(key)} (stream sequence {newest.sequence}); rebuild the table's targets with its "
-                    "resync job")
+                    f"{list(key)} (stream sequence {newest.sequence}); "
+                    f"{naming.rebuild_advice(self.target.name, self.schema, self.table)}")

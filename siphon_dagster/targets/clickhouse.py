@@ -153,7 +153,7 @@ class ClickHouseTarget:
         source = sorted(c.name for c in names.table.key_columns)
         if stored != source:
             change.incompatible.append(
-                f"primary key: the source's is {source}, the table is ordered by {stored} (resync the table to rebuild it)"
+                f"primary key: the source's is {source}, the table is ordered by {stored}"
             )
 
     @staticmethod
@@ -173,7 +173,7 @@ class ClickHouseTarget:
             return f"MODIFY COLUMN {sql.column_definition(column)}"  # it became nullable
         change.incompatible.append(
             f"{column.name}: source type {column.type_name} maps to {expected}, "
-            f"the table has {current} (resync the table to rebuild it)"
+            f"the table has {current}"
         )
         return None
 

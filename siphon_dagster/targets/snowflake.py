@@ -138,7 +138,7 @@ class SnowflakeTarget:
             source_key = sorted(c.name for c in table.key_columns)
             if stored_key != source_key:
                 change.incompatible.append(
-                    f"primary key: the source's is {source_key}, the table's is {stored_key} (resync the table to rebuild it)"
+                    f"primary key: the source's is {source_key}, the table's is {stored_key}"
                 )
             targets = self._write_targets(names)
             backfill = backfill or {}
@@ -151,7 +151,7 @@ class SnowflakeTarget:
                 elif existing[column.name] != expected:
                     change.incompatible.append(
                         f"{column.name}: source type {column.type_name} maps to {expected}, "
-                        f"the table has {existing[column.name]} (resync the table to rebuild it)"
+                        f"the table has {existing[column.name]}"
                     )
         view = [c.name for c in self._table_columns(names, names.view_name)]
         if view != sql.view_columns(table):

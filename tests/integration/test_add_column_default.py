@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
+import psycopg
 import pytest
 from pyspark.sql import SparkSession
 
 from siphon_core import naming
 from siphon_core.config import parse_config
 from siphon_dagster.definitions import build_definitions
+from siphon_dagster.partitions import ranges_for
+from siphon_dagster.specs import table_specs
 from siphon_dagster.streaming.report import BatchReport
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.spark_session import get_spark_session
 from siphon_dagster.targets.base import Target
 from tests.helpers.application import Application
+from tests.helpers.producer import wait_until
 from tests.integration.test_streaming_consumer import consumer, make_target
 
 # One ALTER, several types: each value must come out as a snapshot of the row would write it.
@@ -117,9 +122,9 @@ def test_a_volatile_default_is_reported_in_the_run_log_and_the_materialization(
     for text in (warning, materialization.metadata["warnings"].value):
         assert f"table {app.qualified('events')}: column 'seen_at' was added at the source" in text
         assert "DEFAULT clock_timestamp()" in text
-        assert f"resynced (job {naming.resync_job_name(app.schema, 'events')})" in text
+        assert f"materialize every partition of asset clickhouse/{app.schema}/events" in text
 
-    # As the warning says: the older rows read NULL until a resync; the new row holds its value.
+    # As the warning says: the older rows read NULL until snapshotted again; the new row holds its value.
     table = app.table_schema("events")
     target = make_target(request, "clickhouse", app.identifier)
     try:
@@ -128,3 +133,56 @@ def test_a_volatile_default_is_reported_in_the_run_log_and_the_materialization(
         target.close()
     assert [row[2] for row in rows[:3]] == [None, None, None] and None not in (row[2] for row in expected)
     assert rows[3] == expected[3]
+
+
+@pytest.mark.parametrize("target_name", ["clickhouse", "snowflake"])
+def test_a_snapshot_reads_the_columns_the_table_has_when_its_range_is_read(
+        request: pytest.FixtureRequest, app: Application, clickhouse_url: str, snowflake_env: dict[str, str],
+        target_name: str) -> None:
+    """A column added after a snapshot run started, and filled before its range is read, is copied
+    with the rest: the column list comes from the catalog once the table is locked for the COPY."""
+    app.sql("create table {schema}.invoices (id integer primary key, body text)")
+    app.sql("insert into {schema}.invoices select g, 'row ' || g from generate_series(1, 4) g")
+    config = parse_config({
+        "application_identifier": app.identifier, "source": {"dsn": app.dsn}, "queue": {"url": app.nats_url},
+        "tables": [{"name": app.qualified("invoices")}],
+        "targets": {
+            "clickhouse": {"url": clickhouse_url, "database": app.identifier},
+            "snowflake": {"account": snowflake_env["SIPHON_SNOWFLAKE_ACCOUNT"], "user": snowflake_env["SIPHON_SNOWFLAKE_USER"],
+                          "password": snowflake_env["SIPHON_SNOWFLAKE_PASSWORD"], "database": "SIPHON",
+                          "schema": app.identifier, "host": "127.0.0.1",
+                          "port": int(snowflake_env["SIPHON_SNOWFLAKE_PORT"]), "protocol": "http"},
+        },
+    })
+    defs = build_definitions(config)
+    [spec] = table_specs(config)
+    key = ranges_for(1, spec.table.blocks_per_partition)[0].key
+    # An open transaction holding an xid keeps the run's slot from being created, so the run has
+    # started (and the old column list was current) before the ALTER and the UPDATE commit.
+    blocker = psycopg.connect(app.dsn)
+    blocker.execute("select pg_current_xact_id()")  # an xid, and no lock the ALTER would wait for
+    with dg.instance_for_test() as instance, ThreadPoolExecutor(1) as pool:
+        instance.add_dynamic_partitions(spec.partitions_def_name, [key])
+        try:
+            run = pool.submit(dg.materialize, [defs.resolve_assets_def(spec.target_key(target_name))],
+                              partition_key=key, instance=instance)
+            wait_until(lambda: run.done() or app.sql(
+                "select count(*) from pg_stat_activity where backend_type = 'walsender' "
+                "and query like 'CREATE_REPLICATION_SLOT%%' and application_name = 'siphon snapshot'", ())[0][0] > 0,
+                60, "the run waiting for its slot")
+            assert not run.done(), run.result()
+            app.sql("alter table {schema}.invoices add column currency varchar(3) default 'EUR'")
+            app.sql("update {schema}.invoices set currency = 'USD' where id = 2")
+        finally:
+            blocker.rollback()
+            blocker.close()
+        assert run.result(timeout=300).success
+
+    table = app.table_schema("invoices")
+    expected = app.rows_as_text(table)
+    assert [row[2] for row in expected] == ["EUR", "USD", "EUR", "EUR"]
+    target = make_target(request, target_name, app.identifier)
+    try:
+        assert target.current_rows_as_text(table) == expected
+    finally:
+        target.close()

@@ -20,25 +20,28 @@ from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, chang
 TARGETS = ["clickhouse", "snowflake"]
 
 
+def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str) -> dict:
+    """siphon.yaml's `targets.<name>` for a database (ClickHouse) or schema (Snowflake) of this test alone."""
+    if name == "clickhouse":
+        return {"url": request.getfixturevalue("clickhouse_url"), "database": unique_name}
+    env = request.getfixturevalue("snowflake_env")
+    return {
+        "account": env["SIPHON_SNOWFLAKE_ACCOUNT"],
+        "user": env["SIPHON_SNOWFLAKE_USER"],
+        "password": env["SIPHON_SNOWFLAKE_PASSWORD"],
+        "host": env["SIPHON_SNOWFLAKE_HOST"],
+        "port": int(env["SIPHON_SNOWFLAKE_PORT"]),
+        "protocol": env["SIPHON_SNOWFLAKE_PROTOCOL"],
+        "database": "SIPHON",
+        "schema": unique_name,
+    }
+
+
 def make_target(request: pytest.FixtureRequest, name: str, unique_name: str) -> Target:
     """A target whose database (ClickHouse) or schema (Snowflake) belongs to this test alone."""
-    targets: dict = {}
-    if name == "clickhouse":
-        targets["clickhouse"] = {"url": request.getfixturevalue("clickhouse_url"), "database": unique_name}
-    else:
-        env = request.getfixturevalue("snowflake_env")
-        targets["snowflake"] = {
-            "account": env["SIPHON_SNOWFLAKE_ACCOUNT"],
-            "user": env["SIPHON_SNOWFLAKE_USER"],
-            "password": env["SIPHON_SNOWFLAKE_PASSWORD"],
-            "host": env["SIPHON_SNOWFLAKE_HOST"],
-            "port": int(env["SIPHON_SNOWFLAKE_PORT"]),
-            "protocol": env["SIPHON_SNOWFLAKE_PROTOCOL"],
-            "database": "SIPHON",
-            "schema": unique_name,
-        }
     config = parse_config(
-        {"application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"}, "tables": [{"name": "public.t"}], "targets": targets}
+        {"application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"}, "tables": [{"name": "public.t"}],
+         "targets": {name: target_settings(request, name, unique_name)}}
     )
     return build_target(name, config)
 

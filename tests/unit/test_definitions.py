@@ -58,7 +58,7 @@ def test_streaming_jobs_and_sensors_are_named_as_documented():
 
 
 def test_tables_that_collapse_to_one_job_name_are_refused():
-    with pytest.raises(ValueError, match="would share the job name resync_a_b"):
+    with pytest.raises(ValueError, match="would share the job names stream_<target>_a_b"):
         build_definitions(config(tables=[{"name": "public.a.b"}, {"name": "public.a_b"}]))
 
 

@@ -20,16 +20,18 @@ def test_escaping_keeps_distinct_identifiers_distinct():
 
 
 @pytest.mark.parametrize(
-    ("schema", "table", "resync", "stream"),
+    ("schema", "table", "asset", "stream"),
     [
-        ("public", "notes", "resync_notes", "stream_clickhouse_notes"),
-        ("audit", "events", "resync_audit__events", "stream_clickhouse_audit__events"),
-        ("public", "Merge Requests!", "resync_Merge_Requests_", "stream_clickhouse_Merge_Requests_"),
+        ("public", "notes", "clickhouse/public/notes", "stream_clickhouse_notes"),
+        ("audit", "events", "clickhouse/audit/events", "stream_clickhouse_audit__events"),
+        ("public", "Merge Requests!", "clickhouse/public/Merge Requests!", "stream_clickhouse_Merge_Requests_"),
     ],
 )
-def test_job_names(schema, table, resync, stream):
-    assert naming.resync_job_name(schema, table) == resync
+def test_job_and_asset_names(schema, table, asset, stream):
+    assert naming.asset_path_text("clickhouse", schema, table) == asset
     assert naming.stream_job_name("clickhouse", schema, table) == stream
+    assert f"materialize every partition of asset {asset} " in naming.resnapshot_advice("clickhouse", schema, table)
+    assert f"--target clickhouse --table {schema}.{table}`" in naming.rebuild_advice("clickhouse", schema, table)
 
 
 def test_versions_order_by_lsn_then_position():

@@ -101,7 +101,7 @@ def test_an_added_column_whose_older_values_the_catalog_does_not_keep_is_reporte
     assert target.backfills[-1] == {}
     [warning] = tracker.take_warnings()
     assert warning.startswith("table public.notes: column 'tag' was added at the source")
-    assert reason in warning and "target memory" in warning and "resynced (job resync_notes)" in warning
+    assert reason in warning and "target memory" in warning and "materialize every partition of asset memory/public/notes" in warning
     assert tracker.take_warnings() == []
     tracker.resolve(received((0x12, WITH_TAG)))  # the same list again: nothing new to say
     assert tracker.take_warnings() == []

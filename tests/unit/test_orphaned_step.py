@@ -1,0 +1,80 @@
+"""A streaming step whose run worker was killed stops (and, failing that, exits) instead of applying
+the stream beside the run that replaces it. Real processes: a parent that starts the step's
+stand-in, then is killed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+STEP = textwrap.dedent("""
+    import os, sys, threading
+    from siphon_dagster.run_liveness import stop_when_orphaned
+    directory, obey = sys.argv[1], sys.argv[2] == "obey"
+    stopped = threading.Event()
+    def log(message):
+        with open(os.path.join(directory, "log"), "a") as out:
+            out.write(message + "\\n")
+    with stop_when_orphaned(stopped.set if obey else (lambda: None), log, grace_seconds=1.0, interval_seconds=0.1):
+        with open(os.path.join(directory, "ready"), "w") as out:
+            out.write(str(os.getpid()))
+        stopped.wait(60)
+    with open(os.path.join(directory, "stopped"), "w") as out:
+        out.write("yes")
+""")
+WORKER = textwrap.dedent("""
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+    time.sleep(120)
+""")
+
+
+def _wait_for(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("obey", [True, False], ids=["stops", "exits_after_grace"])
+def test_a_step_stops_when_its_run_worker_is_killed(tmp_path: Path, obey: bool) -> None:
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, STEP, str(tmp_path), "obey" if obey else "ignore"],
+                              start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "ready").exists() and (tmp_path / "ready").read_text(), 60, "the step to start")
+        step = int((tmp_path / "ready").read_text())
+        time.sleep(0.3)
+        assert _alive(step) and not (tmp_path / "stopped").exists()  # nothing happens while the worker lives
+
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+
+        _wait_for(lambda: not _alive(step), 30, "the step to end")
+        log = (tmp_path / "log").read_text()
+        assert f"the run's worker process {worker.pid} is gone" in log
+        if obey:
+            assert (tmp_path / "stopped").read_text() == "yes"  # left its work the ordinary way
+        else:
+            assert "exiting" in log and not (tmp_path / "stopped").exists()
+    finally:
+        # The worker leads its own process group: whatever is left of the pair goes with it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
