@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 
 from pyspark.sql import SparkSession
 
@@ -23,6 +24,9 @@ from siphon_core.logs import get_logger
 
 REMOTE_ENVIRONMENT_VARIABLE = "SIPHON_SPARK_REMOTE"
 _log = get_logger("streaming.spark")
+# pyspark checks the pandas version on every Arrow call (mapInArrow, toArrow) and warns about
+# pandas 3 each time; Siphon's Spark work never converts to or from pandas, only Arrow.
+warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas", category=FutureWarning)
 _lock = threading.Lock()
 _session: SparkSession | None = None
 
