@@ -102,21 +102,22 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
 
         try:
             dsn = source_resource.snapshot_source_dsn
-            for block_range in ranges:
-                with exported_snapshot(dsn, on_wait=context.log.warning) as slot, \
-                        snapshot_transaction(dsn, slot.snapshot_name, spec.schema, spec.name) as reading:
-                    # The table is locked against DDL from here on: the columns read now, from the
-                    # current catalog, are the ones the COPY reads, whatever was altered since the
-                    # run started or the slot was created.
-                    table, existing = _current_columns(dsn, spec)
-                    if table != ensured:
-                        _ensure(context, destination, table, existing, target)
-                        ensured = table
-                    consistent_points.append(naming.format_lsn(slot.consistent_point))
-                    context.log.info(f"reading blocks {block_range.first_block}..{block_range.last_block} of "
-                                     f"{spec.qualified_name} as of {consistent_points[-1]}")
-                    chunks = read_locked_range(reading, table, block_range, progress, on_progress=report)
-                    destination.apply_copy_text(table, chunks, naming.row_version(slot.consistent_point, 0))
+            with source.connect(dsn, autocommit=True) as catalog:
+                for block_range in ranges:
+                    with exported_snapshot(dsn, on_wait=context.log.warning) as slot, \
+                            snapshot_transaction(dsn, slot.snapshot_name, spec.schema, spec.name) as reading:
+                        # The table is locked against DDL from here on: the columns read now, from the
+                        # current catalog, are the ones the COPY reads, whatever was altered since the
+                        # run started or the slot was created.
+                        table, existing = _current_columns(catalog, spec)
+                        if table != ensured:
+                            _ensure(context, destination, table, existing, target)
+                            ensured = table
+                        consistent_points.append(naming.format_lsn(slot.consistent_point))
+                        context.log.info(f"reading blocks {block_range.first_block}..{block_range.last_block} of "
+                                         f"{spec.qualified_name} as of {consistent_points[-1]}")
+                        chunks = read_locked_range(reading, table, block_range, progress, on_progress=report)
+                        destination.apply_copy_text(table, chunks, naming.row_version(slot.consistent_point, 0))
         finally:
             destination.close()
         report(progress)
@@ -136,14 +137,14 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
     return _snapshot
 
 
-def _current_columns(dsn: str, spec: TableSpec) -> tuple[TableSchema, dict[str, source.ExistingRowsValue]]:
-    """The table's columns in the current catalog, and what rows older than each column hold in it."""
-    with source.connect(dsn, autocommit=True) as connection:
-        table = source.table_schema(connection, spec.table)
-        # A snapshot may be the first to meet a column added at the source: rows outside its
-        # ranges must get the value PostgreSQL gave them, as the stream's schema step does.
-        existing = source.existing_rows_values(connection, table.schema, table.table,
-                                               [c for c in table.columns if not c.primary_key])
+def _current_columns(catalog: Any, spec: TableSpec) -> tuple[TableSchema, dict[str, source.ExistingRowsValue]]:
+    """The table's columns in the current catalog (an autocommit connection: each query sees the
+    catalog as it is now), and what rows older than each column hold in it."""
+    table = source.table_schema(catalog, spec.table)
+    # A snapshot may be the first to meet a column added at the source: rows outside its ranges
+    # must get the value PostgreSQL gave them, as the stream's schema step does.
+    existing = source.existing_rows_values(catalog, table.schema, table.table,
+                                           [c for c in table.columns if not c.primary_key])
     return table, existing
 
 

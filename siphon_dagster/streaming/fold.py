@@ -59,11 +59,6 @@ def latest_indices(changes: pa.Table, truncated_at: int | None = None) -> np.nda
     return candidates[order[last]]
 
 
-def fold_changes(changes: pa.Table, truncated_at: int | None = None) -> pa.Table:
-    """One row per key, its latest change, in the layout of `changes`."""
-    return changes.take(pa.array(latest_indices(changes, truncated_at), pa.int64()))
-
-
 def merge_pieces(pieces: Sequence[pa.Table]) -> pa.Table:
     """The latest row of each key among pieces that each hold a key at most once (folded, without
     TRUNCATE rows), in the layout of the pieces."""

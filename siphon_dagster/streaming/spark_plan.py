@@ -133,9 +133,6 @@ class DecodeStage:
         return _blob_batch(decoded.take(latest))
 
 
-_heap_frozen = False
-
-
 def _freeze_worker_heap() -> None:
     """Once per Python worker, after its first task: everything then alive (pyspark, pyarrow, numba
     and its loaded kernels) leaves the cyclic collector's reach (`gc.freeze`).
@@ -144,11 +141,9 @@ def _freeze_worker_heap() -> None:
     modules' objects that took about 65 ms of CPU a task, more than decoding 20,000 changes. Objects
     created later are collected as before, and refcounting frees frozen ones as usual.
     """
-    global _heap_frozen
-    if not _heap_frozen:
+    if not gc.get_freeze_count():
         gc.collect()
         gc.freeze()
-        _heap_frozen = True
 
 
 def _package_frame(spark: SparkSession, packages: Sequence[ReceivedPackage]) -> DataFrame:

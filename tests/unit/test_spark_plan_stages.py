@@ -13,7 +13,7 @@ from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_dagster.streaming import spark_plan
 from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec, locate_changes
-from siphon_dagster.streaming.fold import fold_changes, merge_pieces
+from siphon_dagster.streaming.fold import latest_indices, merge_pieces
 from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
 
 SPEC = DecodeSpec(tuple(c.name for c in NOTES), ("id",))
@@ -94,7 +94,7 @@ def test_changes_up_to_the_last_truncate_are_dropped():
         insert(10, "1", "a", "1"), truncate(11), insert(12, "2", "b", "2"), update(13, "1", "c", "3"),
     ])))), SPEC).changes
 
-    folded = fold_changes(changes, naming.row_version(11, 1))
+    folded = changes.take(latest_indices(changes, naming.row_version(11, 1)))
 
     assert sorted(folded.column("_lsn").to_pylist()) == [12, 13]
 
