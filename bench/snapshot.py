@@ -8,8 +8,8 @@ beside COPY of the same table to /dev/null.
 2. Reference: `COPY (SELECT * FROM notes) TO STDOUT` drained to nothing, by psql's `\\copy ... to
    '/dev/null'` and by psycopg; the faster of the two is the reference.
 3. Every block-range partition of the table snapshotted into the embedded ClickHouse through the
-   calls the partition asset makes (source.table_schema, ensure_table, reader.exported_snapshot +
-   read_range, ClickHouseTarget.apply_copy_text), each worker a process of its own like a Dagster
+   calls the partition asset makes (source.table_schema, ensure_table, spool.spooled_range,
+   ClickHouseTarget.apply_copy_text), each worker a process of its own like a Dagster
    run: one worker taking the partitions one after another, then two at a time (the local
    `siphon_snapshot` pool limit). Dagster's own per-run overhead (launching the run, the event log)
    is not counted. Each load is repeated `--repeat` times; the best is reported.
@@ -43,7 +43,8 @@ from siphon_core.config import ClickHouseTargetConfig, TableConfig
 from siphon_dagster import source
 from siphon_dagster.partitions import BlockRange, parse_key, ranges_for
 from siphon_dagster.resources import ClickHouseResource
-from siphon_dagster.snapshot.reader import SnapshotProgress, exported_snapshot, read_range
+from siphon_dagster.snapshot.reader import SnapshotProgress
+from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
 
 TABLE = TableConfig(name="public.notes")
@@ -128,15 +129,16 @@ def psql_binary(bindir: Path) -> str | None:
 def snapshot_partition(destination: Destination, key: str) -> int:
     """The body of the partition asset (siphon_dagster.assets.build_target_asset), minus Dagster."""
     block_range = parse_key(key, destination.blocks_per_partition)
-    with source.connect(destination.dsn, autocommit=True) as connection:
-        table = source.table_schema(connection, TABLE)
     target = ClickHouseResource(url=destination.clickhouse_url, database=destination.database).open_target()
     progress = SnapshotProgress()
     try:
-        target.ensure_table(table)
-        with exported_snapshot(destination.dsn) as slot:
-            chunks = read_range(destination.dsn, slot.snapshot_name, table, block_range, progress)
-            target.apply_copy_text(table, chunks, naming.row_version(slot.consistent_point, 0))
+        with source.connect(destination.dsn, autocommit=True) as catalog:
+            table = source.table_schema(catalog, TABLE)
+            target.ensure_table(table)
+            with spooled_range(destination.dsn, table.schema, table.table, block_range,
+                               lambda: source.table_schema(catalog, TABLE), progress) as reading:
+                target.apply_copy_text(reading.table, reading.chunks(),
+                                       naming.row_version(reading.consistent_point, 0))
     finally:
         target.close()
     return progress.rows

@@ -30,6 +30,10 @@ class _Model(BaseModel):
 class SourceConfig(_Model):
     dsn: str
     snapshot_dsn: str | None = None
+    # A snapshot's COPY text waits here for a slower target, so the source's lock and slot are
+    # released when the COPY ends (siphon_dagster.snapshot.spool); None is the system's temp dir.
+    snapshot_spool_directory: str | None = None
+    snapshot_spool_max_bytes: int = Field(default=2 << 30, ge=0)
 
     @property
     def snapshot_or_primary_dsn(self) -> str:
@@ -159,7 +163,6 @@ class SiphonConfig(_Model):
     targets: TargetsConfig = Field(default_factory=TargetsConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
-    snapshot_pool_limit: int = Field(default=2, ge=1)
 
     @field_validator("application_identifier")
     @classmethod

@@ -13,12 +13,8 @@ from siphon_core import naming
 from siphon_dagster import source
 from siphon_dagster.partitions import parse_key
 from siphon_dagster.resources import PostgresResource
-from siphon_dagster.snapshot.reader import (
-    SnapshotProgress,
-    exported_snapshot,
-    read_locked_range,
-    snapshot_transaction,
-)
+from siphon_dagster.snapshot.reader import SnapshotProgress
+from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.targets.base import TableSchema, Target
 
@@ -100,24 +96,30 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
             context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, {p.bytes / 1e6:,.1f} MB, "
                              f"{p.rows / p.seconds:,.0f} rows/s")
 
+        def locked_columns() -> TableSchema:
+            # The table is locked against DDL from here on: the columns read now, from the current
+            # catalog, are the ones the COPY reads, whatever was altered since the run started or
+            # the slot was created.
+            nonlocal ensured
+            table, existing = _current_columns(catalog, spec)
+            if table != ensured:
+                _ensure(context, destination, table, existing, target)
+                ensured = table
+            return table
+
         try:
             dsn = source_resource.snapshot_source_dsn
             with source.connect(dsn, autocommit=True) as catalog:
                 for block_range in ranges:
-                    with exported_snapshot(dsn, on_wait=context.log.warning) as slot, \
-                            snapshot_transaction(dsn, slot.snapshot_name, spec.schema, spec.name) as reading:
-                        # The table is locked against DDL from here on: the columns read now, from the
-                        # current catalog, are the ones the COPY reads, whatever was altered since the
-                        # run started or the slot was created.
-                        table, existing = _current_columns(catalog, spec)
-                        if table != ensured:
-                            _ensure(context, destination, table, existing, target)
-                            ensured = table
-                        consistent_points.append(naming.format_lsn(slot.consistent_point))
+                    with spooled_range(dsn, spec.schema, spec.name, block_range, locked_columns, progress,
+                                       on_wait=context.log.warning,
+                                       directory=source_resource.snapshot_spool_directory,
+                                       max_ahead_bytes=source_resource.snapshot_spool_max_bytes) as reading:
+                        consistent_points.append(naming.format_lsn(reading.consistent_point))
                         context.log.info(f"reading blocks {block_range.first_block}..{block_range.last_block} of "
                                          f"{spec.qualified_name} as of {consistent_points[-1]}")
-                        chunks = read_locked_range(reading, table, block_range, progress, on_progress=report)
-                        destination.apply_copy_text(table, chunks, naming.row_version(slot.consistent_point, 0))
+                        destination.apply_copy_text(reading.table, reading.chunks(on_progress=report),
+                                                    naming.row_version(reading.consistent_point, 0))
         finally:
             destination.close()
         report(progress)

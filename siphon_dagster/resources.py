@@ -22,6 +22,8 @@ class PostgresResource(dg.ConfigurableResource):
 
     dsn: str
     snapshot_dsn: str | None = None
+    snapshot_spool_directory: str | None = None
+    snapshot_spool_max_bytes: int = 2 << 30
 
     @property
     def snapshot_source_dsn(self) -> str:

@@ -1,0 +1,197 @@
+"""A block range read as fast as PostgreSQL sends it, loaded behind it from a local file.
+
+A range's read holds a temporary slot (which holds back the source's vacuum horizon) and the
+table's ACCESS SHARE lock (which makes any ALTER TABLE wait, and every query queued behind that
+ALTER with it). Loading straight from the COPY would keep both for as long as the target takes,
+minutes for a slow warehouse. Here a reader thread writes the COPY text to an unlinked temporary
+file and releases the slot and the transaction the moment the COPY ends, while the loader reads
+the same chunks back behind it: the source waits only for its own COPY, and the read and the load
+still overlap. The file holds what the target has not taken yet, at most `max_ahead_bytes`; past
+that the reader waits for the loader, as it would without a spool.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from siphon_core.logs import get_logger
+from siphon_dagster.partitions import BlockRange
+from siphon_dagster.snapshot.reader import (
+    SnapshotProgress,
+    exported_snapshot,
+    read_locked_range,
+    snapshot_transaction,
+)
+from siphon_dagster.targets.base import TableSchema
+
+log = get_logger("snapshot")
+MAX_AHEAD_BYTES = 2 << 30
+PROGRESS_SECONDS = 5.0
+
+
+class SnapshotReadError(RuntimeError):
+    """Reading a range from the source failed; nothing of it may be applied."""
+
+
+class _Spool:
+    """Chunks appended by one thread and read back, in order and whole, by another."""
+
+    def __init__(self, directory: str | None, max_ahead_bytes: int) -> None:
+        try:
+            self._file = tempfile.TemporaryFile(prefix="siphon-snapshot-", dir=directory)  # noqa: SIM115 (closed by close())
+        except OSError as error:
+            raise SnapshotReadError(f"cannot make a spool file in {directory or tempfile.gettempdir()} "
+                                    f"(source.snapshot_spool_directory): {error}") from error
+        self._fd = self._file.fileno()
+        self._max_ahead = max_ahead_bytes
+        self._sizes: list[int] = []
+        self._written = self._taken = 0
+        self._done = self._stopped = False
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+
+    # -- the reader thread --
+
+    def append(self, chunk: bytes) -> bool:
+        """Writes a chunk; False when the loader has stopped and no more is wanted."""
+        with self._changed:
+            while self._written - self._taken > self._max_ahead and not self._stopped:
+                self._changed.wait()
+            if self._stopped:
+                return False
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(self._fd, view):]
+        with self._changed:
+            self._sizes.append(len(chunk))
+            self._written += len(chunk)
+            self._changed.notify_all()
+        return True
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._changed:
+            self._done, self._error = True, error
+            self._changed.notify_all()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    # -- the loader --
+
+    def chunks(self) -> Iterator[bytes]:
+        index = offset = 0
+        while True:
+            with self._changed:
+                while index == len(self._sizes) and not self._done:
+                    self._changed.wait()
+                if index == len(self._sizes):
+                    if self._error is not None:
+                        raise SnapshotReadError(f"reading the range failed: {self._error}") from self._error
+                    return
+                size = self._sizes[index]
+            chunk = os.pread(self._fd, size, offset)
+            index, offset = index + 1, offset + size
+            with self._changed:
+                self._taken = offset
+                self._changed.notify_all()
+            yield chunk
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class SpooledRange:
+    """What the loader of one range needs: the columns the COPY reads (under the lock), the
+    version of its rows, and the COPY text's chunks as the reader makes them."""
+
+    table: TableSchema
+    consistent_point: int
+    progress: SnapshotProgress
+    _spool: _Spool
+    _released: threading.Event
+
+    def chunks(self, on_progress: Callable[[SnapshotProgress], None] | None = None) -> Iterator[bytes]:
+        last_report = time.monotonic()
+        for chunk in self._spool.chunks():
+            yield chunk
+            if on_progress is not None and time.monotonic() - last_report > PROGRESS_SECONDS:
+                on_progress(self.progress)
+                last_report = time.monotonic()
+
+    @property
+    def source_released(self) -> bool:
+        """True once the COPY has ended and its slot and transaction are gone."""
+        return self._released.is_set()
+
+
+@contextmanager
+def spooled_range(dsn: str, schema: str, table: str, block_range: BlockRange,
+                  columns: Callable[[], TableSchema], progress: SnapshotProgress,
+                  on_wait: Callable[[str], None] | None = None, directory: str | None = None,
+                  max_ahead_bytes: int = MAX_AHEAD_BYTES) -> Iterator[SpooledRange]:
+    """Reads `block_range` under a temporary slot's exported snapshot, holding the table's lock
+    until its COPY ends, and hands the chunks on through a spool file in `directory`.
+
+    `columns` runs once the table is locked: the columns it reads from the current catalog then
+    cannot change until the COPY has read them. Leaving the block before the
+    chunks are exhausted stops the read.
+    """
+    source = ExitStack()
+    spool: _Spool | None = None
+    reader: threading.Thread | None = None
+    released = threading.Event()
+    try:
+        slot = source.enter_context(exported_snapshot(dsn, on_wait=on_wait))
+        reading = source.enter_context(snapshot_transaction(dsn, slot.snapshot_name, schema, table))
+        read_columns = columns()
+        spool = _Spool(directory, max_ahead_bytes)
+        reader = threading.Thread(target=_read_into, name=f"snapshot reader {schema}.{table}", daemon=True,
+                                  args=(reading, read_columns, block_range, progress, spool, source, released))
+        reader.start()
+        yield SpooledRange(read_columns, slot.consistent_point, progress, spool, released)
+    finally:
+        if spool is not None:
+            spool.stop()
+        if reader is not None:
+            reader.join()
+        source.close()  # the reader released it already, unless it never started
+        if spool is not None:
+            spool.close()
+
+
+def _read_into(connection: psycopg.Connection[Any], table: TableSchema, block_range: BlockRange,
+               progress: SnapshotProgress, spool: _Spool, source: ExitStack, released: threading.Event) -> None:
+    error: BaseException | None = None
+    try:
+        chunks = read_locked_range(connection, table, block_range, progress)
+        try:
+            for chunk in chunks:
+                if not spool.append(chunk):
+                    break
+        finally:
+            chunks.close()  # a COPY left unfinished closes its connection, which ends it at the server
+    except BaseException as failure:  # handed to the loader, which raises it
+        error = failure
+    finally:
+        try:
+            source.close()  # the transaction (and its lock), then the slot
+            released.set()
+        except Exception as failure:
+            log.warning("releasing a snapshot's slot and transaction failed: %s", failure)
+        spool.finish(error)
