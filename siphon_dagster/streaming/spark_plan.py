@@ -16,13 +16,22 @@ milliseconds for the merge).
 
 Rows leaving the executors are Arrow IPC streams of many changes (`_blob`), not one Spark row per
 change: Spark's per-row work (conversion from Arrow, a row per change) cost it about 20 us a change,
-several times the decoding itself.
+several times the decoding itself. In local mode, where the executors' Python workers share the
+driver's file system, a task writes its stream to a file of the batch's own temporary directory
+and hands on only the file's name (`_path`): the JVM then copies no values at all (it copied each
+blob several times, from the worker, into Spark rows and back to Arrow for the driver), and the
+driver maps the file instead of reading it from a socket.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Iterator, Sequence
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
@@ -44,12 +53,14 @@ from siphon_dagster.streaming.decode import (
 from siphon_dagster.streaming.fold import latest_indices, merge_pieces, with_version
 from siphon_dagster.streaming.spark_session import decode_slices, is_remote
 
-BLOB_DDL = "_blob binary"
+BLOB_DDL = "_blob binary, _path string"
 # Decoded changes a decode task folds and hands on at once; the merge still meets every change of
 # a key, whatever the number of pieces.
 DECODED_BYTES_PER_FLUSH = 128 << 20
-# Values compress several times over; Spark then copies and hands back far fewer bytes.
+# Values compress several times over; Spark then copies and hands back far fewer bytes. A file
+# handed on by name is mapped by the driver as it is: not compressed, nothing to undo.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
+_FILE_IPC_OPTIONS = pa.ipc.IpcWriteOptions()
 WARM_UP_ROUNDS = 4
 WARM_UP_ROWS = 20_000
 
@@ -58,7 +69,9 @@ def folded_pieces(spark: SparkSession, packages: Sequence[ReceivedPackage], spec
                   truncated_at: int | None) -> list[pa.Table]:
     """The tasks' folded rows: each piece holds a key at most once; `merge_folded` makes one row
     per key of the batch out of them."""
-    return _collect(_package_frame(spark, packages).mapInArrow(DecodeStage(spec, truncated_at), BLOB_DDL))
+    with _result_directory(spark) as directory:
+        return _collect(_package_frame(spark, packages).mapInArrow(DecodeStage(spec, truncated_at, directory=directory),
+                                                                   BLOB_DDL))
 
 
 def merge_folded(pieces: Sequence[pa.Table], column_count: int) -> pa.Table:
@@ -92,20 +105,23 @@ def key_history(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: 
                 positions: Sequence[int]) -> pa.Table:
     """Every change of these keys in the batch, unfolded, with `_version`, `_unchanged` and the value
     columns at `positions`; decodes the batch again, which only unchanged TOASTed values cost."""
-    stage = DecodeStage(spec, None, keys=frozenset(keys), positions=tuple(positions))
-    pieces = _collect(_package_frame(spark, packages).mapInArrow(stage, BLOB_DDL))
+    with _result_directory(spark) as directory:
+        stage = DecodeStage(spec, None, keys=frozenset(keys), positions=tuple(positions), directory=directory)
+        pieces = _collect(_package_frame(spark, packages).mapInArrow(stage, BLOB_DDL))
     return pa.concat_tables(pieces) if pieces else folded_schema(len(spec.columns), positions).empty_table()
 
 
 class DecodeStage:
-    """Executors: packages in, IPC blobs of the task's folded changes out (picklable)."""
+    """Executors: packages in, IPC streams of the task's folded changes out (picklable), as blobs
+    or, with a `directory` the driver reads too, as files named by their path."""
 
     def __init__(self, spec: DecodeSpec, truncated_at: int | None, keys: frozenset[bytes] | None = None,
-                 positions: tuple[int, ...] | None = None) -> None:
+                 positions: tuple[int, ...] | None = None, directory: str | None = None) -> None:
         self.spec = spec
         self.truncated_at = truncated_at
         self.keys = keys  # history: only these keys, nothing folded, values at `positions`
         self.positions = positions
+        self.directory = directory
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         decoder = PackageDecoder(self.spec)
@@ -128,9 +144,19 @@ class DecodeStage:
         if self.keys is not None:
             wanted = pc.is_in(decoded.changes.column("_key"), value_set=pa.array(sorted(self.keys), pa.binary()))
             rows = decoded.take(np.flatnonzero(wanted.to_numpy(zero_copy_only=False)), self.positions)
-            return _blob_batch(with_version(rows))
+            return self._result(with_version(rows))
         latest = np.sort(latest_indices(decoded.changes, self.truncated_at))  # rows read in buffer order
-        return _blob_batch(decoded.take(latest))
+        return self._result(decoded.take(latest))
+
+    def _result(self, rows: pa.Table) -> pa.RecordBatch:
+        if self.directory is not None:
+            path = os.path.join(self.directory, f"{uuid.uuid4().hex}.arrows")
+            try:
+                _write_file(rows, path)
+                return _result_batch(None, path)
+            except OSError:  # a full or vanished directory: the blob still goes through Spark
+                _remove(path)
+        return _result_batch(_write_blob(rows), None)
 
 
 def _freeze_worker_heap() -> None:
@@ -178,13 +204,39 @@ def _balanced_order(sizes: Sequence[int], slices: int) -> list[int]:
     return [index for part in dealt for index in part]
 
 
+@contextmanager
+def _result_directory(spark: SparkSession) -> Iterator[str | None]:
+    """A temporary directory for one Spark job's result files, in local mode only (elsewhere the
+    executors may not share the driver's file system); removed with whatever a failed or retried
+    task left in it."""
+    if is_remote(spark) or not spark.sparkContext.master.startswith("local"):
+        yield None
+        return
+    try:
+        path = tempfile.mkdtemp(prefix="siphon-batch-")
+    except OSError:
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _collect(frame: DataFrame) -> list[pa.Table]:
-    collected = frame.toArrow()
-    return [_read_blob(blob) for batch in collected.to_batches() for blob in _blobs(batch)]
+    return [table for batch in frame.toArrow().to_batches() for table in _results(batch)]
 
 
-def _blob_batch(rows: pa.Table) -> pa.RecordBatch:
-    return pa.RecordBatch.from_arrays([_one_binary(_write_blob(rows))], names=["_blob"])
+def _results(batch: pa.RecordBatch) -> list[pa.Table]:
+    """The rows a decode stage's output batch carries, as blobs or in files."""
+    blobs, paths = batch.column("_blob"), batch.column("_path")
+    return [_read_file(path.as_py()) if path.is_valid else _read_blob(blob.as_buffer())
+            for blob, path in zip(blobs, paths, strict=True)]
+
+
+def _result_batch(blob: pa.Buffer | None, path: str | None) -> pa.RecordBatch:
+    blobs = pa.array([None], pa.binary()) if blob is None else _one_binary(blob)
+    return pa.RecordBatch.from_arrays([blobs, pa.array([path], pa.string())], names=["_blob", "_path"])
 
 
 def _one_binary(buffer: pa.Buffer) -> pa.Array:
@@ -192,11 +244,6 @@ def _one_binary(buffer: pa.Buffer) -> pa.Array:
     offsets = pa.array([0, buffer.size], pa.int64() if buffer.size > 2**31 - 1 else pa.int32())
     binary = pa.large_binary() if buffer.size > 2**31 - 1 else pa.binary()
     return pa.Array.from_buffers(binary, 1, [None, offsets.buffers()[1], buffer])
-
-
-def _blobs(batch: pa.RecordBatch) -> Iterable[pa.Buffer]:
-    column = batch.column(batch.schema.get_field_index("_blob"))
-    return (column[i].as_buffer() for i in range(len(column)))
 
 
 def _write_blob(rows: pa.Table) -> pa.Buffer:
@@ -208,3 +255,25 @@ def _write_blob(rows: pa.Table) -> pa.Buffer:
 
 def _read_blob(blob: pa.Buffer) -> pa.Table:
     return pa.ipc.open_stream(blob).read_all()
+
+
+def _write_file(rows: pa.Table, path: str) -> None:
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, rows.schema, options=_FILE_IPC_OPTIONS) as writer:
+        writer.write_table(rows)
+
+
+def _read_file(path: str) -> pa.Table:
+    """The rows of a result file, mapped, not copied; the file's name is removed at once (the
+    mapping keeps its pages until the rows are freed)."""
+    try:
+        with pa.memory_map(path) as source:
+            return pa.ipc.open_stream(source).read_all()
+    finally:
+        _remove(path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -48,26 +48,30 @@ def _random_packages(seed: int) -> tuple[list[pb.Package], dict[str, tuple[int, 
     return packages, latest
 
 
-def _run_stages(packages: list[pb.Package], tasks: int) -> pa.Table:
-    """The decode stage over `tasks` slices of the packages, then the driver's merge."""
+def _run_stages(packages: list[pb.Package], tasks: int, directory: str | None = None) -> pa.Table:
+    """The decode stage over `tasks` slices of the packages, then the driver's merge; results as
+    blobs, or as files in `directory`."""
     pieces = []
     for task in range(tasks):
         mine = [(i + 1, p) for i, p in enumerate(packages) if i % tasks == task]
         payloads = pa.RecordBatch.from_arrays(
             [pa.array([seq for seq, _ in mine], pa.int64()), pa.array([encode_package(p) for _, p in mine])],
             schema=INPUT_SCHEMA)
-        pieces += [spark_plan._read_blob(blob) for out in spark_plan.DecodeStage(SPEC, None)(iter([payloads]))
-                   for blob in spark_plan._blobs(out)]
+        stage = spark_plan.DecodeStage(SPEC, None, directory=directory)
+        pieces += [piece for out in stage(iter([payloads])) for piece in spark_plan._results(out)]
     return spark_plan.merge_folded(pieces, len(SPEC.columns))
 
 
+@pytest.mark.parametrize("route", ["blobs", "files"])
 @pytest.mark.parametrize("flush_bytes", [1, 1 << 30])
 @pytest.mark.parametrize("tasks", [1, 3])
-def test_any_cut_into_tasks_and_pieces_keeps_each_keys_latest_change(monkeypatch, flush_bytes, tasks):
+def test_any_cut_into_tasks_and_pieces_keeps_each_keys_latest_change(monkeypatch, tmp_path, flush_bytes, tasks, route):
     monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", flush_bytes)
     packages, latest = _random_packages(seed=tasks + flush_bytes % 7)
 
-    rows = _run_stages(packages, tasks)
+    rows = _run_stages(packages, tasks, str(tmp_path) if route == "files" else None)
+
+    assert list(tmp_path.iterdir()) == [], "the driver removes each result file it read"
 
     got = {}
     for row in rows.to_pylist():
@@ -76,6 +80,18 @@ def test_any_cut_into_tasks_and_pieces_keeps_each_keys_latest_change(monkeypatch
         values = [None if row[f"c{i}"] is None else row[f"c{i}"].decode() for i in range(3)]
         got[key] = (row["_op"], int(row["_version"]), values)
     assert got == latest
+
+
+def test_a_result_file_that_cannot_be_written_goes_through_spark_as_a_blob(tmp_path):
+    packages, latest = _random_packages(seed=3)
+    payloads = pa.RecordBatch.from_arrays(
+        [pa.array(range(1, len(packages) + 1), pa.int64()), pa.array([encode_package(p) for p in packages])],
+        schema=INPUT_SCHEMA)
+
+    [out] = spark_plan.DecodeStage(SPEC, None, directory=str(tmp_path / "gone"))(iter([payloads]))
+
+    assert out.column("_path").null_count == 1 and out.column("_blob").null_count == 0
+    assert spark_plan.merge_folded(spark_plan._results(out), len(SPEC.columns)).num_rows == len(latest)
 
 
 @pytest.mark.parametrize(("sizes", "slices"), [([5, 1, 9, 3, 7, 2, 8], 2), ([4] * 5, 3), ([1, 2], 4), ([], 2)])
