@@ -32,7 +32,7 @@ where n.nspname = %s and c.relname = %s and c.relkind in ('r', 'p')
 
 
 def check_replica_identities(connection: psycopg.Connection[Any], tables: list[TableConfig]) -> None:
-    """Every table must exist and identify its rows in UPDATE and DELETE changes."""
+    """Every table must exist, have a primary key and identify its rows in UPDATE and DELETE changes."""
     problems = []
     for table in tables:
         row = connection.execute(_IDENTITY_QUERY, (table.schema_name, table.table_name)).fetchone()
@@ -41,10 +41,17 @@ def check_replica_identities(connection: psycopg.Connection[Any], tables: list[T
             problems.append(f"table {table.name}: does not exist (or is not a table) in the source database")
             continue
         identity, has_primary_key, has_identity_index = row
-        if identity == "n" or (identity == "d" and not has_primary_key) or (identity == "i" and not has_identity_index):
+        if not has_primary_key:
+            # REPLICA IDENTITY FULL would let PostgreSQL send such a table's changes, but a target keeps
+            # one row per key: identical rows would collapse and a NULL cannot be part of a key.
+            problems.append(
+                f"table {table.name}: has no primary key; Siphon keeps one row per primary key at its targets, "
+                f"so a table without one cannot be replicated: add one (ALTER TABLE {name} ADD PRIMARY KEY (...))"
+            )
+        elif identity == "n" or (identity == "i" and not has_identity_index):
             problems.append(
                 f"table {table.name}: has no usable replica identity, so its updates and deletes cannot be "
-                f"replicated; add a primary key, or run `ALTER TABLE {name} REPLICA IDENTITY FULL`"
+                f"replicated; run `ALTER TABLE {name} REPLICA IDENTITY DEFAULT` (the primary key)"
             )
     if problems:
         raise SourceSetupError("\n".join(problems))

@@ -68,8 +68,8 @@ def table_schema(connection: psycopg.Connection[Any], table: TableConfig) -> Tab
         if name not in table.exclude_columns
     )
     if not any(c.primary_key for c in columns):
-        # Without a primary key the replica identity (FULL: the whole row) identifies rows.
-        columns = tuple(SourceColumn(**{**c.__dict__, "primary_key": True}) for c in columns)
+        raise SourceError(f"table {table.name}: has no primary key; Siphon keeps one row per primary key at its "
+                          "targets, so a table without one cannot be replicated: add one")
     return TableSchema(table.schema_name, table.table_name, columns)
 
 

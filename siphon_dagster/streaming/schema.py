@@ -142,7 +142,7 @@ class SchemaTracker:
         key = primary_key(newest.columns)
         if not key:
             raise SchemaChangeError(f"table {self.qualified_name}: packages name no primary key columns; Siphon "
-                                    "needs a primary key or REPLICA IDENTITY FULL on the source table")
+                                    "needs a primary key on the source table")
         earlier = [(primary_key(p.columns), p.sequence) for p in packages]
         if self._applied is not None:
             earlier.append((primary_key(self._applied.columns), 0))

@@ -212,16 +212,30 @@ def test_a_table_added_to_the_configuration_joins_the_publication(app: Applicati
     assert "table added to the publication" in producer.log() and app.qualified("second") in producer.log()
 
 
-def test_a_table_without_a_usable_replica_identity_is_refused_clearly(app: Application) -> None:
+@pytest.mark.parametrize("identity", ["default", "full"])
+def test_a_table_without_a_primary_key_is_refused_clearly(app: Application, identity: str) -> None:
+    # FULL would make PostgreSQL send its changes, but identical rows and NULLs cannot be keyed at a target.
     app.sql("create table {schema}.keyless (a integer, b text)")
+    app.sql(f"alter table {{schema}}.keyless replica identity {identity}")
     producer = app.producer(["keyless"], start=False)
     producer.start(wait_streaming=False)
 
     assert producer.wait(30) == 3
     log = producer.log()
-    assert f"table {app.qualified('keyless')}: has no usable replica identity" in log
-    assert f'ALTER TABLE "{app.schema}"."keyless" REPLICA IDENTITY FULL' in log
+    assert f"table {app.qualified('keyless')}: has no primary key" in log
+    assert f'ALTER TABLE "{app.schema}"."keyless" ADD PRIMARY KEY' in log
     assert not execute(app.dsn, "select 1 from pg_replication_slots where slot_name = %s", (app.slot,))
+
+
+def test_a_table_whose_replica_identity_is_nothing_is_refused_clearly(app: Application) -> None:
+    app.sql("create table {schema}.silent (id integer primary key, b text)")
+    app.sql("alter table {schema}.silent replica identity nothing")
+    producer = app.producer(["silent"], start=False)
+    producer.start(wait_streaming=False)
+
+    assert producer.wait(30) == 3
+    assert f"table {app.qualified('silent')}: has no usable replica identity" in producer.log()
+    assert f'ALTER TABLE "{app.schema}"."silent" REPLICA IDENTITY DEFAULT' in producer.log()
 
 
 def test_a_second_producer_of_the_application_exits_naming_the_holder(app: Application) -> None:
