@@ -61,6 +61,7 @@ def published_tables(connection: psycopg.Connection[Any], publication: str) -> s
     exists = connection.execute("select 1 from pg_publication where pubname = %s", (publication,)).fetchone()
     if not exists:
         return None
+    # With publish_via_partition_root a partitioned table is listed as itself, not as its leaves.
     rows = connection.execute(
         "select schemaname, tablename from pg_publication_tables where pubname = %s", (publication,)
     ).fetchall()
@@ -69,18 +70,28 @@ def published_tables(connection: psycopg.Connection[Any], publication: str) -> s
 
 def ensure_publication(connection: psycopg.Connection[Any], publication: str,
                        tables: list[TableConfig]) -> PublicationChange:
-    """Creates the publication or adds and drops tables so it publishes exactly `tables`."""
+    """Creates the publication or adds and drops tables so it publishes exactly `tables`.
+
+    A partitioned table's changes are published as the table's own (publish_via_partition_root),
+    whichever partition they were made in: one subject and one target table for the whole table,
+    and rows moving between partitions stay one row.
+    """
     wanted = {t.name: t for t in tables}
     current = published_tables(connection, publication)
     change = PublicationChange()
     table_ids = {name: sql.Identifier(t.schema_name, t.table_name) for name, t in wanted.items()}
     try:
         if current is None:
-            connection.execute(sql.SQL("create publication {} for table {}").format(
-                sql.Identifier(publication), sql.SQL(", ").join(table_ids.values())))
+            connection.execute(sql.SQL("create publication {} for table {} with (publish_via_partition_root = true)")
+                               .format(sql.Identifier(publication), sql.SQL(", ").join(table_ids.values())))
             change.created = True
             change.added = sorted(wanted)
             return change
+        if not connection.execute("select pubviaroot from pg_publication where pubname = %s",
+                                  (publication,)).fetchone()[0]:
+            connection.execute(sql.SQL("alter publication {} set (publish_via_partition_root = true)").format(
+                sql.Identifier(publication)))
+            current = published_tables(connection, publication) or set()
         for name in sorted(set(wanted) - current):
             connection.execute(sql.SQL("alter publication {} add table {}").format(
                 sql.Identifier(publication), table_ids[name]))
@@ -95,8 +106,8 @@ def ensure_publication(connection: psycopg.Connection[Any], publication: str,
         raise SourceSetupError(
             f"publication {publication!r} does not match the configured tables and this role may not change it "
             f"({error.diag.message_primary}); as the tables' owner run: "
-            f"CREATE PUBLICATION {sql.Identifier(publication).as_string(connection)} FOR TABLE {listed}"
-            " (or ALTER PUBLICATION ... SET TABLE ...)"
+            f"CREATE PUBLICATION {sql.Identifier(publication).as_string(connection)} FOR TABLE {listed} "
+            "WITH (publish_via_partition_root = true) (or ALTER PUBLICATION ... SET TABLE ...)"
         ) from None
     return change
 
