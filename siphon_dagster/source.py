@@ -34,14 +34,24 @@ order by a.attnum
 # kept once in the catalog (attmissingval, a one-element array of the column's type) instead of
 # being written into every row, so no change reaches the stream; a volatile DEFAULT, an identity
 # or a generated column rewrites the table, also without any change in the stream.
+# A partitioned table stores no rows: its leaves keep the missing value, the same in each that
+# existed when the column was added.
 _ADDED_COLUMNS_QUERY = """
-select a.attname, a.atttypid::int, a.atthasmissing, a.attmissingval::text, a.attgenerated::text,
+select a.attname, a.atttypid::int, coalesce(leaf.atthasmissing, a.atthasmissing),
+       coalesce(leaf.attmissingval::text, a.attmissingval::text), a.attgenerated::text,
        a.attidentity::text, pg_get_expr(d.adbin, d.adrelid), case when t.typtype = 'd' then t.typdefault end
 from pg_attribute a
 join pg_class c on c.oid = a.attrelid
 join pg_namespace n on n.oid = c.relnamespace
 join pg_type t on t.oid = a.atttypid
 left join pg_attrdef d on d.adrelid = a.attrelid and d.adnum = a.attnum
+left join lateral (
+    select la.atthasmissing, la.attmissingval
+    from pg_partition_tree(c.oid) tree
+    join pg_attribute la on la.attrelid = tree.relid and la.attname = a.attname and not la.attisdropped
+    where c.relkind = 'p' and tree.isleaf and la.atthasmissing
+    limit 1
+) leaf on true
 where n.nspname = %s and c.relname = %s and a.attnum > 0 and not a.attisdropped and a.attname = any(%s)
 """
 
