@@ -190,8 +190,8 @@ class CpuSample:
 
     def per_event_us(self, events: int) -> str:
         scale = 1e6 / max(1, events)
-        return (f"{self.consumer * scale:.0f} = {self.driver * scale:.0f}+{self.jvm * scale:.0f}+"
-                f"{self.workers * scale:.0f}, {self.clickhouse * scale:.1f}")
+        return (f"{self.consumer * scale:.1f} = {self.driver * scale:.1f}+{self.jvm * scale:.1f}+"
+                f"{self.workers * scale:.1f}, {self.clickhouse * scale:.1f}")
 
 
 @dataclass
