@@ -1,7 +1,6 @@
 # Two commands do all set-up: `make demo` and `make test`. Both are safe to re-run.
 SHELL := /bin/bash
 VENV := .venv
-export DAGSTER_MODULE_NAME := siphon_dagster
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 

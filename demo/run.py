@@ -79,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         write_config(config_path, env, with_snowflake=not args.no_snowflake)
         env["SIPHON_CONFIG"] = str(config_path)
         env.setdefault("DAGSTER_HOME", str(ROOT / ".dagster_home"))
-        env["DAGSTER_MODULE_NAME"] = "siphon_dagster"
         Path(env["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
         bin_dir = Path(sys.executable).parent
 
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
         port = free_port()
         # `dagster dev` passes its own code-location arguments to the webserver it starts, which then
-        # also reads DAGSTER_MODULE_NAME and never comes up; so it gets `-m` and not the variable.
+        # stops if it also finds DAGSTER_MODULE_NAME in its environment: the variable is removed.
         dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-m", "siphon_dagster",
                                                 "-h", "127.0.0.1", "-p", str(port)],
                                 directory / "dagster.log", env=env, cwd=Path(env["DAGSTER_HOME"]),

@@ -67,25 +67,18 @@ fi
 "$VENV/bin/python" -m siphon_core.wire.generate --quiet
 "$VENV/bin/python" -m siphon_core.wire.compiled  # compiles the decoder's loops into their cache
 
-# Plain `dagster ...` from the repo root needs these; the activate script and
-# the Makefile both provide them.
+# Plain `dagster ...` from the repo root needs DAGSTER_HOME; the activate script and the Makefile
+# both provide it. The code location is found through pyproject.toml's [tool.dagster] block, not
+# DAGSTER_MODULE_NAME: `dagster dev` hands its webserver its own code-location arguments, and a
+# webserver that also reads that variable stops on a usage error it never prints.
 mkdir -p "$ROOT/.dagster_home"
 ln -sfn ../dagster.yaml "$ROOT/.dagster_home/dagster.yaml"
 cat > "$VENV/bin/siphon-env.sh" <<ENV
 # Written by scripts/bootstrap.sh; sourced by .venv/bin/activate.
-export DAGSTER_MODULE_NAME=siphon_dagster
 export DAGSTER_HOME="$ROOT/.dagster_home"
 export SIPHON_PG_BINDIR="$(pg_bindir)"
-# Dagster's \`dagster dev\` hands its webserver its own code-location arguments, and the webserver
-# then also reads DAGSTER_MODULE_NAME and never starts; give \`dagster dev\` the module explicitly.
-dagster() {
-  if [ "\${1:-}" = dev ]; then
-    shift
-    env -u DAGSTER_MODULE_NAME "\$VIRTUAL_ENV/bin/dagster" dev -m siphon_dagster "\$@"
-  else
-    "\$VIRTUAL_ENV/bin/dagster" "\$@"
-  fi
-}
+unset DAGSTER_MODULE_NAME
+unset -f dagster 2>/dev/null || true
 ENV
 if ! grep -q 'siphon-env.sh' "$VENV/bin/activate"; then
   printf '\n. "$VIRTUAL_ENV/bin/siphon-env.sh"\n' >> "$VENV/bin/activate"
