@@ -123,6 +123,7 @@ class ClickHouseTarget:
         names = self._names(table)
         change = SchemaChange()
         existing = {c.name: c.type for c in self._table_columns(names, names.table_name)}
+        altered = False
         if not existing:
             self._command(names, "creating the table", sql.create_table(names.live, table))
             change.created = True
@@ -134,9 +135,11 @@ class ClickHouseTarget:
                 alteration = self._alteration(column, existing.get(column.name), change, backfill.get(column.name))
                 for target in targets if alteration else ():
                     self._command(names, f"altering column {column.name!r}", f"ALTER TABLE {target} {alteration}")
+                altered = altered or alteration is not None
         view = [c.name for c in self._table_columns(names, names.view_name)]
-        if view != sql.view_columns(table):
+        if altered or view != sql.view_columns(table):
             # New table, new or dropped source columns: the view lists exactly the source's columns.
+            # A view keeps the column types it was created with, so an altered type remakes it too.
             self._command(names, "creating the truncations table", sql.create_truncations(names))
             self._command(names, "creating the current-rows view", sql.create_view(names))
         return change
@@ -171,6 +174,9 @@ class ClickHouseTarget:
             return None  # a column that became NOT NULL keeps accepting NULL: nothing to do
         if expected == f"Nullable({current})" and not column.primary_key:
             return f"MODIFY COLUMN {sql.column_definition(column)}"  # it became nullable
+        widened = _widened(current, expected)
+        if widened is not None and not column.primary_key:  # a sorting key column's type cannot change
+            return f"MODIFY COLUMN {sql.quote(column.name)} {widened}"
         change.incompatible.append(
             f"{column.name}: source type {column.type_name} maps to {expected}, "
             f"the table has {current}"
@@ -373,3 +379,19 @@ def _line_breaks(chunk: bytes) -> int:
     # bytes.count looks at a byte at a time; a vectorized comparison counts a snapshot's gigabytes
     # of COPY text several times faster.
     return int(np.count_nonzero(np.frombuffer(chunk, dtype=np.uint8) == 0x0A))
+
+
+# A source type widened in place (ALTER COLUMN ... TYPE bigint): every stored value fits the wider type.
+_WIDER = {"Int16": ("Int32", "Int64"), "Int32": ("Int64",), "Float32": ("Float64",)}
+
+
+def _widened(current: str, expected: str) -> str | None:
+    """The column's new type, nullable as it is now, when `expected` widens `current`; else None."""
+    def bare(kind: str) -> tuple[str, bool]:
+        return (kind[len("Nullable("):-1], True) if kind.startswith("Nullable(") else (kind, False)
+
+    stored, nullable = bare(current)
+    wanted, _ = bare(expected)
+    if wanted not in _WIDER.get(stored, ()):
+        return None
+    return f"Nullable({wanted})" if nullable else wanted

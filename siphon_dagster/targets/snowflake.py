@@ -6,6 +6,7 @@ mapping's expressions, so the stream and snapshots share one conversion.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -148,6 +149,12 @@ class SnowflakeTarget:
                     for target in targets:
                         self._add_column(names, target, column, backfill.get(column.name))
                     change.added_columns.append(column.name)
+                elif _widens(existing[column.name], expected):
+                    # Snowflake raises a NUMBER's precision in place, keys included (int4 -> int8).
+                    for target in targets:
+                        self._execute(names, f"widening column {column.name!r}",
+                                      f"ALTER TABLE {target} ALTER COLUMN {sql.quote(column.name)} "
+                                      f"SET DATA TYPE {expected}")
                 elif existing[column.name] != expected:
                     change.incompatible.append(
                         f"{column.name}: source type {column.type_name} maps to {expected}, "
@@ -342,3 +349,12 @@ class SnowflakeTarget:
     def drop_shadow(self, table: TableSchema) -> None:
         names = self._names(table)
         self._execute(names, "dropping the resync table", f"DROP TABLE IF EXISTS {names.shadow}")
+
+
+_NUMBER = re.compile(r"NUMBER\((\d+),(\d+)\)")
+
+
+def _widens(current: str, expected: str) -> bool:
+    """A NUMBER of the same scale and a greater precision: every stored value fits it."""
+    stored, wanted = _NUMBER.fullmatch(current), _NUMBER.fullmatch(expected)
+    return bool(stored and wanted and stored.group(2) == wanted.group(2) and int(wanted.group(1)) > int(stored.group(1)))

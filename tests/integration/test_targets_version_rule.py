@@ -219,6 +219,20 @@ def test_new_source_column_is_added_and_type_change_reported(target: Target) -> 
     assert change.added_columns == [] and [c.split(":")[0] for c in change.incompatible] == ["score"]
 
 
+def test_a_widened_integer_column_is_widened_in_place(target: Target) -> None:
+    # ALTER TABLE ... ALTER COLUMN score TYPE bigint at the source: every stored value fits.
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "a", 2147483647, 10)]))
+    widened = TableSchema("public", "notes", (*NOTES.columns[:2], SourceColumn("score", 20, "bigint", nullable=False)))
+    change = target.ensure_table(widened)
+    assert (change.added_columns, change.incompatible) == ([], [])
+    target.apply_rows(widened, batch(widened, [row(2, "b", 9007199254740993, 11)]))
+    assert target.current_rows_as_text(widened) == [("1", "a", "2147483647"), ("2", "b", "9007199254740993")]
+    assert target.ensure_table(widened).incompatible == []
+    narrowed = TableSchema("public", "notes", (*NOTES.columns[:2], SourceColumn("score", 21, "smallint", nullable=False)))
+    assert [c.split(":")[0] for c in target.ensure_table(narrowed).incompatible] == ["score"]
+
+
 def test_resync_through_shadow_keeps_the_view_readable(target: Target) -> None:
     target.ensure_table(NOTES)
     target.apply_rows(NOTES, batch(NOTES, [row(1, "drifted", 1, 10), row(2, "kept", 2, 10)]))
