@@ -13,6 +13,7 @@ from siphon_core import naming
 from siphon_dagster import source
 from siphon_dagster.partitions import parse_key
 from siphon_dagster.resources import PostgresResource
+from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, run_worker_identity
 from siphon_dagster.snapshot.reader import SnapshotProgress
 from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.specs import TableSpec
@@ -85,6 +86,9 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         # One run may cover a range of partitions (CLI --partition-range, or a backfill): each block
         # range is read under its own temporary slot, one after another, so memory and the time a
         # snapshot is held stay those of one range.
+        # A run killed outright stays STARTED and keeps its pool slot; the partitions sensor fails
+        # it once this process is gone, and the daemon then frees the slot.
+        context.instance.add_run_tags(context.run_id, {WORKER_TAG: run_worker_identity(), SNAPSHOT_RUN_TAG: "true"})
         ranges = [parse_key(key, spec.table.blocks_per_partition) for key in context.partition_keys]
         source_resource: PostgresResource = context.resources.source
         destination = getattr(context.resources, resource_key).open_target()

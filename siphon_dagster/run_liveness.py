@@ -9,6 +9,7 @@ host. Elsewhere (a Kubernetes run launcher) Dagster's run monitoring does this j
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import threading
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 import dagster as dg
 
 WORKER_TAG = "siphon/worker"
+SNAPSHOT_RUN_TAG = "siphon/snapshot"  # a run that snapshots block ranges (it holds a pool slot)
 # A run that never tagged itself this long after it started lost its worker before the op began.
 UNTAGGED_GRACE_SECONDS = 600.0
 
@@ -26,6 +28,15 @@ def worker_identity(pid: int | None = None) -> str:
     """`host:pid:start` of a process (this one by default); `start` tells a reused pid apart."""
     pid = os.getpid() if pid is None else pid
     return f"{socket.gethostname()}:{pid}:{_start_ticks(pid)}"
+
+
+def run_worker_identity() -> str:
+    """The identity of the process that runs this run: the parent of a step that Dagster's
+    multiprocess executor started in a process of its own, else this process. A step process that
+    exits while its run goes on then never makes the run look dead."""
+    if multiprocessing.parent_process() is not None:
+        return worker_identity(os.getppid())
+    return worker_identity()
 
 
 def dead_run_reason(run: dg.DagsterRun, started_at: float | None, now: float) -> str | None:

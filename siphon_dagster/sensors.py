@@ -11,7 +11,7 @@ from siphon_dagster import source as source_db
 from siphon_dagster.assets import observe_source
 from siphon_dagster.partitions import missing_keys
 from siphon_dagster.resources import NatsResource, PostgresResource
-from siphon_dagster.run_liveness import dead_run_reason
+from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, dead_run_reason
 from siphon_dagster.specs import TableSpec
 
 
@@ -43,6 +43,7 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
         with source.connect() as connection:
             requests, blocks = partition_requests(context.instance, connection, specs)
             observations = [observe_source(spec, connection) for spec in specs]
+        fail_dead_snapshot_runs(context, time.time())
         cursor = json.dumps(blocks, sort_keys=True)
         added = sum(len(r.partition_keys) for r in requests)
         if added:
@@ -133,6 +134,22 @@ def _live_runs(context: dg.SensorEvaluationContext, job_name: str, now: float) -
         context.log.warning(message)
         context.instance.report_run_failed(record.dagster_run, message)
     return live
+
+
+def fail_dead_snapshot_runs(context: dg.SensorEvaluationContext, now: float) -> list[str]:
+    """Snapshot runs whose worker process is gone are reported failed, so that the pool slots they
+    hold are freed (`run_monitoring.free_slots_after_run_end_seconds`) and later snapshots run."""
+    failed = []
+    records = context.instance.get_run_records(
+        dg.RunsFilter(statuses=IN_PROGRESS, tags={SNAPSHOT_RUN_TAG: "true"}), limit=100)
+    for record in records:
+        reason = dead_run_reason(record.dagster_run, record.start_time, now)
+        if reason is not None:
+            message = f"snapshot run {record.dagster_run.run_id} is marked failed: {reason}"
+            context.log.warning(message)
+            context.instance.report_run_failed(record.dagster_run, message)
+            failed.append(record.dagster_run.run_id)
+    return failed
 
 
 def _pending_counts(context: dg.SensorEvaluationContext, resource: NatsResource,

@@ -181,25 +181,26 @@ class TableSize:
 # block numbers. A block range read from the partitioned table reads those blocks of every leaf
 # (the ctid condition applies to each), so its blocks are those of its largest leaf.
 _SIZE_QUERY = """
-select coalesce(max(pg_relation_size(leaf.relid)), 0), coalesce(sum(pg_relation_size(leaf.relid)), 0),
-       current_setting('block_size')::int, coalesce(sum(greatest(l.reltuples, 0)), 0)::bigint, count(*)
-from pg_class c
-join pg_namespace n on n.oid = c.relnamespace
-cross join lateral pg_partition_tree(c.oid) leaf
-join pg_class l on l.oid = leaf.relid
-where n.nspname = %s and c.relname = %s and leaf.isleaf
+with named as (
+    select c.oid, c.relkind from pg_class c join pg_namespace n on n.oid = c.relnamespace
+    where n.nspname = %s and c.relname = %s
+), stored as (
+    select oid as relid from named where relkind <> 'p'
+    union all
+    select tree.relid from named, pg_partition_tree(named.oid) tree where named.relkind = 'p' and tree.isleaf
+)
+select coalesce(max(pg_relation_size(s.relid)), 0), coalesce(sum(pg_relation_size(s.relid)), 0)::bigint,
+       current_setting('block_size')::int, coalesce(sum(greatest(l.reltuples, 0)), 0)::bigint,
+       (select count(*) from named)
+from stored s join pg_class l on l.oid = s.relid
 """
 
 
 def table_size(connection: psycopg.Connection[Any], table: TableConfig) -> TableSize:
-    row = connection.execute(_SIZE_QUERY, (table.schema_name, table.table_name)).fetchone()
-    largest, size, block_size, estimate, leaves = row
-    if not leaves:
-        exists = connection.execute("select 1 from pg_class c join pg_namespace n on n.oid = c.relnamespace "
-                                    "where n.nspname = %s and c.relname = %s",
-                                    (table.schema_name, table.table_name)).fetchone()
-        if exists is None:
-            raise SourceError(f"table {table.name}: not found in the source database")
+    largest, size, block_size, estimate, found = connection.execute(
+        _SIZE_QUERY, (table.schema_name, table.table_name)).fetchone()
+    if not found:
+        raise SourceError(f"table {table.name}: not found in the source database")
     return TableSize(blocks=(largest + block_size - 1) // block_size, block_size=block_size, bytes=size,
                      row_estimate=int(estimate))
 

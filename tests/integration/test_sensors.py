@@ -15,7 +15,7 @@ from psycopg import sql
 from siphon_core import naming
 from siphon_core.config import parse_config
 from siphon_dagster.definitions import build_definitions, build_resources
-from siphon_dagster.run_liveness import WORKER_TAG, dead_run_reason, worker_identity
+from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, dead_run_reason, worker_identity
 from siphon_dagster.sensors import FAILURE_MEMORY_SECONDS, backoff_seconds, build_streaming_sensor
 from siphon_dagster.specs import table_specs
 
@@ -217,3 +217,32 @@ def test_streaming_sensor_records_the_pending_count(config):
     with dg.instance_for_test() as instance:
         result = tick(defs, config, instance, "_streaming")
         assert json.loads(result.cursor)[streaming_job_name(config)]["pending"] == 3
+
+
+def test_partitions_sensor_fails_a_snapshot_run_whose_worker_is_gone_and_keeps_a_live_one(config):
+    defs = build_definitions(config)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = worker_identity(worker.pid)
+    worker.kill()
+    worker.wait()
+    with dg.instance_for_test() as instance:
+        dead = create_run_for_test(instance, job_name="__ASSET_JOB", status=dg.DagsterRunStatus.STARTED,
+                                   tags={WORKER_TAG: gone, SNAPSHOT_RUN_TAG: "true"})
+        live = create_run_for_test(instance, job_name="__ASSET_JOB", status=dg.DagsterRunStatus.STARTED,
+                                   tags={WORKER_TAG: worker_identity(), SNAPSHOT_RUN_TAG: "true"})
+        tick(defs, config, instance, "_partitions")
+        assert instance.get_run_by_id(dead.run_id).status == dg.DagsterRunStatus.FAILURE
+        assert instance.get_run_by_id(live.run_id).status == dg.DagsterRunStatus.STARTED
+
+
+def test_a_snapshot_run_is_tagged_with_the_process_that_runs_it(config):
+    defs = build_definitions(config)
+    spec = table_specs(config)[0]
+    with dg.instance_for_test() as instance:
+        tick_and_add_partitions(defs, config, instance)
+        key = instance.get_dynamic_partitions(spec.partitions_def_name)[0]
+        # The ClickHouse target here is unreachable: the run fails, after it tagged itself.
+        result = dg.materialize([defs.resolve_assets_def(spec.target_key("clickhouse"))], partition_key=key,
+                                instance=instance, raise_on_error=False)
+        run = instance.get_run_by_id(result.run_id)
+        assert run.tags[SNAPSHOT_RUN_TAG] == "true" and run.tags[WORKER_TAG] == worker_identity()
