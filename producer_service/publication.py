@@ -87,8 +87,8 @@ def ensure_publication(connection: psycopg.Connection[Any], publication: str,
             change.created = True
             change.added = sorted(wanted)
             return change
-        if not connection.execute("select pubviaroot from pg_publication where pubname = %s",
-                                  (publication,)).fetchone()[0]:
+        if _partitioned(connection, tables) and not connection.execute(
+                "select pubviaroot from pg_publication where pubname = %s", (publication,)).fetchone()[0]:
             connection.execute(sql.SQL("alter publication {} set (publish_via_partition_root = true)").format(
                 sql.Identifier(publication)))
             current = published_tables(connection, publication) or set()
@@ -110,6 +110,14 @@ def ensure_publication(connection: psycopg.Connection[Any], publication: str,
             "WITH (publish_via_partition_root = true) (or ALTER PUBLICATION ... SET TABLE ...)"
         ) from None
     return change
+
+
+def _partitioned(connection: psycopg.Connection[Any], tables: list[TableConfig]) -> bool:
+    """Whether any of the tables is partitioned (the only case publish_via_partition_root changes)."""
+    return connection.execute(
+        "select exists (select 1 from pg_class c join pg_namespace n on n.oid = c.relnamespace "
+        "where c.relkind = 'p' and (n.nspname, c.relname) in (select * from unnest(%s::text[], %s::text[])))",
+        ([t.schema_name for t in tables], [t.table_name for t in tables])).fetchone()[0]
 
 
 def ensure_slot(connection: psycopg.Connection[Any], slot: str) -> bool:

@@ -111,3 +111,16 @@ def test_a_partitioned_table_converges_through_snapshots_and_the_stream(
         reader.close()
         target.close()
         producer.stop()
+
+
+def test_a_publication_made_without_publish_via_partition_root_is_altered(app: Application) -> None:
+    app.sql(PARTITIONED)
+    app.sql(f'create publication "{app.publication}" for table {{schema}}.readings')
+    producer = app.producer([{"name": "readings"}])
+    app.sql("insert into {schema}.readings values (1, 1, 'low'), (150, 1, 'high'), (900, 1, 'rest')")
+
+    events = app.wait_for_events(3, "readings")
+
+    assert sorted(int(e.new_row()["device"]) for e in events) == [1, 150, 900]
+    assert execute(app.dsn, "select pubviaroot from pg_publication where pubname = %s", (app.publication,)) == [(True,)]
+    assert producer.stop() == 0
