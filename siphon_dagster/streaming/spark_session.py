@@ -23,6 +23,9 @@ from siphon_core.config import SparkConfig
 from siphon_core.logs import get_logger
 
 REMOTE_ENVIRONMENT_VARIABLE = "SIPHON_SPARK_REMOTE"
+# Waits of 0.05, 0.2, 0.8, 3.2 and 12.8 s, then 15 s: about two minutes in all.
+CONNECT_RETRIES = 12
+CONNECT_MAX_BACKOFF_MS = 15_000
 _log = get_logger("streaming.spark")
 # pyspark checks the pandas version on every Arrow call (mapInArrow, toArrow) and warns about
 # pandas 3 each time; Siphon's Spark work never converts to or from pandas, only Arrow.
@@ -126,7 +129,13 @@ def _start_driver(config: SparkConfig) -> SparkSession:
 def _connect(url: str, config: SparkConfig) -> SparkSession:
     if not url.startswith("sc://"):
         raise ValueError(f"spark.remote must be a Spark Connect URL like sc://host:15002, got {url!r}")
+    from pyspark.sql.connect.client.retries import DefaultPolicy  # the Spark Connect client's modules
+
     session = SparkSession.builder.remote(url).getOrCreate()
+    # The client's own retries wait up to about 10 minutes for an unreachable server on every call;
+    # a streaming run then looks alive to the sensor for that long. About 2 minutes, then the run
+    # fails, the sensor says so and starts another (which finds a restarted server).
+    session.client.set_retry_policies([DefaultPolicy(max_retries=CONNECT_RETRIES, max_backoff=CONNECT_MAX_BACKOFF_MS)])
     for key, value in {**_RUNTIME_DEFAULTS, **config.conf}.items():
         session.conf.set(key, value)
     return session

@@ -91,7 +91,8 @@ def run_remote_consumer(nats_url: str, clickhouse_url: str, dsn: str, applicatio
                                  source=source).run(stop_when_drained=True)
         source.close()
         target.close()
-        print(json.dumps({"spark": type(spark).__module__,
+        waits = [policy.max_backoff * policy.max_retries for policy in spark.client.get_retry_policies()]
+        print(json.dumps({"spark": type(spark).__module__, "longest_retry_wait_ms": max(waits),
                           "local_driver": SparkContext._active_spark_context is not None,
                           "events": summary.events, "batches": summary.batches}))
     finally:
@@ -122,6 +123,8 @@ def test_a_remote_client_decodes_on_the_server_and_the_target_converges(
     report = json.loads(child.stdout.strip().splitlines()[-1])
     assert report["spark"].startswith("pyspark.sql.connect.") and not report["local_driver"]
     assert report["events"] == events and report["batches"] >= 1
+    # An unreachable server fails a run within minutes, not after the client's default ten.
+    assert report["longest_retry_wait_ms"] <= 180_000
     # The decode (mapInArrow) ran in Python workers that the server started.
     assert python_workers(spark_connect.pid), descendants(spark_connect.pid)
 
