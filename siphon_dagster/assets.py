@@ -5,6 +5,9 @@ A target asset's partition is a block range; materializing it re-snapshots exact
 """
 
 
+import multiprocessing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
@@ -13,13 +16,14 @@ from siphon_core import naming
 from siphon_dagster import source
 from siphon_dagster.partitions import parse_key
 from siphon_dagster.resources import PostgresResource
-from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, run_worker_identity
+from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, run_worker_identity, stop_when_orphaned
 from siphon_dagster.snapshot.reader import SnapshotProgress
 from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.targets.base import TableSchema, Target
 
 SNAPSHOT_POOL = "siphon_snapshot"
+ORPHAN_EXIT_SECONDS = 2.0  # time for the warning to reach the event log
 
 
 def column_schema_metadata(table: TableSchema) -> dg.TableSchema:
@@ -113,7 +117,7 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
 
         try:
             dsn = source_resource.snapshot_source_dsn
-            with source.connect(dsn, autocommit=True) as catalog:
+            with _exit_when_orphaned(context), source.connect(dsn, autocommit=True) as catalog:
                 for block_range in ranges:
                     with spooled_range(dsn, spec.schema, spec.name, block_range, locked_columns, progress,
                                        on_wait=context.log.warning,
@@ -141,6 +145,19 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         })
 
     return _snapshot
+
+
+@contextmanager
+def _exit_when_orphaned(context: dg.AssetExecutionContext) -> Iterator[None]:
+    """A step in a process of its own (Dagster's multiprocess executor) exits when its run's worker
+    dies (kill -9 of `dagster asset materialize`, say): the run is then failed and its pool slot
+    given to another snapshot, which must not run beside this one. Nothing of a range whose load
+    has not finished is applied, so leaving mid-range loses nothing."""
+    if multiprocessing.parent_process() is None:
+        yield
+        return
+    with stop_when_orphaned(lambda: None, context.log.warning, grace_seconds=ORPHAN_EXIT_SECONDS):
+        yield
 
 
 def _current_columns(catalog: Any, spec: TableSpec) -> tuple[TableSchema, dict[str, source.ExistingRowsValue]]:

@@ -42,7 +42,12 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
     def _partitions(context: dg.SensorEvaluationContext, source: PostgresResource) -> dg.SensorResult:
         with source.connect() as connection:
             requests, blocks = partition_requests(context.instance, connection, specs)
-            observations = [observe_source(spec, connection) for spec in specs]
+            observations = []
+            for spec in specs:
+                try:
+                    observations.append(observe_source(spec, connection))
+                except source_db.SourceError as error:  # one table's problem holds back no other table
+                    context.log.error(str(error))
         fail_dead_snapshot_runs(context, time.time())
         cursor = json.dumps(blocks, sort_keys=True)
         added = sum(len(r.partition_keys) for r in requests)

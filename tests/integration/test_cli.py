@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +14,11 @@ import yaml
 
 from siphon_dagster import cli
 from siphon_dagster.targets.base import SourceColumn, TableSchema
+from tests.helpers.application import Application
+from tests.helpers.producer import execute, wait_until
 from tests.integration.test_targets_version_rule import make_target, target_settings
+
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("target_name", ["clickhouse", "snowflake"])
@@ -41,3 +50,71 @@ def test_target_drop_removes_the_table_and_its_view_and_nothing_else(
     finally:
         target.close()
 
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(") ", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_snapshot_step_ends_when_its_cli_process_is_killed(
+        request: pytest.FixtureRequest, app: Application, tmp_path: Path) -> None:
+    """kill -9 of `dagster asset materialize` leaves its step process behind; the step must end, or it
+    would go on beside the snapshot that gets the run's pool slot next."""
+    app.sql("create table {schema}.slow (id integer primary key, body text)")
+    app.sql("insert into {schema}.slow select g, repeat(md5(g::text), 4) from generate_series(1, 200000) g")
+    config = tmp_path / "siphon.yaml"
+    config.write_text(yaml.safe_dump({
+        "application_identifier": app.identifier, "source": {"dsn": app.dsn}, "queue": {"url": app.nats_url},
+        "tables": [{"name": app.qualified("slow"), "blocks_per_partition": 1 << 20}],
+        # The local Snowflake takes minutes for these rows: the step is mid-load when its parent dies.
+        "targets": {"snowflake": target_settings(request, "snowflake", app.identifier)},
+    }))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((REPOSITORY / "dagster.yaml").read_text())
+    env = {**os.environ, "SIPHON_CONFIG": str(config), "DAGSTER_HOME": str(home)}
+    env.pop("DAGSTER_MODULE_NAME", None)
+    bin_dir = Path(sys.executable).parent
+    subprocess.run([str(bin_dir / "siphon-dagster"), "partitions", "refresh"], env=env, check=True,
+                   capture_output=True, cwd=REPOSITORY)
+    log = (tmp_path / "materialize.log").open("w")
+    materialize = subprocess.Popen(
+        [str(bin_dir / "dagster"), "asset", "materialize", "-m", "siphon_dagster", "--select",
+         f"snowflake/{app.schema}/slow", "--partition", f"00000000-{(1 << 20) - 1:08d}"],
+        env=env, cwd=REPOSITORY, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output = tmp_path / "materialize.log"
+        wait_until(lambda: "reading blocks" in output.read_text() or materialize.poll() is not None, 120,
+                   "the snapshot under way")
+        assert materialize.poll() is None, output.read_text()[-3000:]
+        children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _children(materialize.pid)}
+        steps = [pid for pid, line in children.items() if b"multiprocessing-fork" in line]
+        assert len(steps) == 1, children
+        step = steps[0]
+
+        os.kill(materialize.pid, signal.SIGKILL)
+        materialize.wait()
+
+        wait_until(lambda: not _alive(step), 30, "the orphaned step to end")
+        assert not execute(app.dsn, "select 1 from pg_replication_slots where slot_name like 'siphon_snap_%%'")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(materialize.pid, signal.SIGKILL)
+        log.close()

@@ -246,3 +246,17 @@ def test_a_snapshot_run_is_tagged_with_the_process_that_runs_it(config):
                                 instance=instance, raise_on_error=False)
         run = instance.get_run_by_id(result.run_id)
         assert run.tags[SNAPSHOT_RUN_TAG] == "true" and run.tags[WORKER_TAG] == worker_identity()
+
+
+def test_a_table_without_a_primary_key_holds_back_no_other_table(config, postgres_dsn):
+    schema = table_specs(config)[0].schema
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create table {} (a int, b text)").format(sql.Identifier(schema, "keyless")))
+    both = parse_config({**config.model_dump(), "tables": [t.model_dump() for t in config.tables]
+                         + [{"name": f"{schema}.keyless"}]})
+    defs = build_definitions(both)
+    with dg.instance_for_test() as instance:
+        result = tick(defs, both, instance, "_partitions")
+        assert [o.asset_key for o in result.asset_events] == [table_specs(both)[0].source_key]
+        assert {r.partitions_def_name for r in result.dynamic_partitions_requests} == \
+            {spec.partitions_def_name for spec in table_specs(both)}
