@@ -36,6 +36,7 @@ from siphon_dagster.targets.base import TableSchema
 log = get_logger("snapshot")
 MAX_AHEAD_BYTES = 2 << 30
 PROGRESS_SECONDS = 5.0
+STOP_WAIT_SECONDS = 10.0  # for a reader to notice the loader stopped, before its COPY is cancelled
 
 
 class SnapshotReadError(RuntimeError):
@@ -169,6 +170,13 @@ def spooled_range(dsn: str, schema: str, table: str, block_range: BlockRange,
         if spool is not None:
             spool.stop()
         if reader is not None:
+            reader.join(STOP_WAIT_SECONDS)
+            if reader.is_alive():  # waiting on a stalled server: cancel the COPY (safe from this thread)
+                log.warning("a snapshot's COPY did not stop; cancelling it at the server")
+                try:
+                    reading.cancel()
+                except Exception as error:
+                    log.warning("cancelling a snapshot's COPY failed: %s", error)
             reader.join()
         source.close()  # the reader released it already, unless it never started
         if spool is not None:
