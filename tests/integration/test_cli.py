@@ -15,6 +15,7 @@ import yaml
 from siphon_dagster import cli
 from siphon_dagster.targets.base import SourceColumn, TableSchema
 from tests.helpers.application import Application
+from tests.helpers.processes import alive
 from tests.helpers.producer import execute, wait_until
 from tests.integration.test_targets_version_rule import make_target, target_settings
 
@@ -65,14 +66,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_snapshot_step_ends_when_its_cli_process_is_killed(
         request: pytest.FixtureRequest, app: Application, tmp_path: Path) -> None:
     """kill -9 of `dagster asset materialize` leaves its step process behind; the step must end, or it
@@ -112,7 +105,7 @@ def test_a_snapshot_step_ends_when_its_cli_process_is_killed(
         os.kill(materialize.pid, signal.SIGKILL)
         materialize.wait()
 
-        wait_until(lambda: not _alive(step), 30, "the orphaned step to end")
+        wait_until(lambda: not alive(step), 30, "the orphaned step to end")
         assert not execute(app.dsn, "select 1 from pg_replication_slots where slot_name like 'siphon_snap_%%'")
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import alive
+
 STEP = textwrap.dedent("""
     import os, sys, threading
     from siphon_dagster.run_liveness import stop_when_orphaned
@@ -45,14 +47,6 @@ def _wait_for(predicate, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("obey", [True, False], ids=["stops", "exits_after_grace"])
 def test_a_step_stops_when_its_run_worker_is_killed(tmp_path: Path, obey: bool) -> None:
     worker = subprocess.Popen([sys.executable, "-c", WORKER, STEP, str(tmp_path), "obey" if obey else "ignore"],
@@ -61,12 +55,12 @@ def test_a_step_stops_when_its_run_worker_is_killed(tmp_path: Path, obey: bool) 
         _wait_for(lambda: (tmp_path / "ready").exists() and (tmp_path / "ready").read_text(), 60, "the step to start")
         step = int((tmp_path / "ready").read_text())
         time.sleep(0.3)
-        assert _alive(step) and not (tmp_path / "stopped").exists()  # nothing happens while the worker lives
+        assert alive(step) and not (tmp_path / "stopped").exists()  # nothing happens while the worker lives
 
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
 
-        _wait_for(lambda: not _alive(step), 30, "the step to end")
+        _wait_for(lambda: not alive(step), 30, "the step to end")
         log = (tmp_path / "log").read_text()
         assert f"the run's worker process {worker.pid} is gone" in log
         if obey:
