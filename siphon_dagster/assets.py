@@ -5,7 +5,6 @@ A target asset's partition is a block range; materializing it re-snapshots exact
 """
 
 
-import multiprocessing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,7 +15,13 @@ from siphon_core import naming
 from siphon_dagster import source
 from siphon_dagster.partitions import parse_key
 from siphon_dagster.resources import PostgresResource
-from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, run_worker_identity, stop_when_orphaned
+from siphon_dagster.run_liveness import (
+    SNAPSHOT_RUN_TAG,
+    WORKER_TAG,
+    in_step_process,
+    run_worker_identity,
+    stop_when_orphaned,
+)
 from siphon_dagster.snapshot.reader import SnapshotProgress
 from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.specs import TableSpec
@@ -153,7 +158,7 @@ def _exit_when_orphaned(context: dg.AssetExecutionContext) -> Iterator[None]:
     dies (kill -9 of `dagster asset materialize`, say): the run is then failed and its pool slot
     given to another snapshot, which must not run beside this one. Nothing of a range whose load
     has not finished is applied, so leaving mid-range loses nothing."""
-    if multiprocessing.parent_process() is None:
+    if not in_step_process():
         yield
         return
     with stop_when_orphaned(lambda: None, context.log.warning, grace_seconds=ORPHAN_EXIT_SECONDS):

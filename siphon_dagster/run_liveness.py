@@ -30,11 +30,16 @@ def worker_identity(pid: int | None = None) -> str:
     return f"{socket.gethostname()}:{pid}:{_start_ticks(pid)}"
 
 
+def in_step_process() -> bool:
+    """Whether this is a step that Dagster's multiprocess executor started in a process of its own."""
+    return multiprocessing.parent_process() is not None
+
+
 def run_worker_identity() -> str:
     """The identity of the process that runs this run: the parent of a step that Dagster's
     multiprocess executor started in a process of its own, else this process. A step process that
     exits while its run goes on then never makes the run look dead."""
-    if multiprocessing.parent_process() is not None:
+    if in_step_process():
         return worker_identity(os.getppid())
     return worker_identity()
 

@@ -6,8 +6,8 @@ ALTER with it). Loading straight from the COPY would keep both for as long as th
 minutes for a slow warehouse. Here a reader thread writes the COPY text to an unlinked temporary
 file and releases the slot and the transaction the moment the COPY ends, while the loader reads
 the same chunks back behind it: the source waits only for its own COPY, and the read and the load
-still overlap. The file holds what the target has not taken yet, at most `max_ahead_bytes`; past
-that the reader waits for the loader, as it would without a spool.
+still overlap. The reader runs at most `max_ahead_bytes` ahead of the loader (then it waits, as it
+would without a spool); the file grows to the range's COPY text and goes when the range is done.
 """
 
 from __future__ import annotations
