@@ -1,6 +1,8 @@
 """Decoding packages into change rows, as Spark work on the executors (`mapInArrow`).
 
-Input rows are (seq, payload): the JetStream stream sequence and the compressed package. Decoded
+Input rows are (seq, payload): the JetStream stream sequence and the compressed package; or, when
+the payloads were written to a file the executors share (siphon_dagster.streaming.spark_plan),
+(seq, start, length): where the payload lies in it. Decoded
 rows are laid out by `DECODED_SCHEMA`: one row per change of one primary key, its values kept as one
 TupleData aligned to the batch's newest column list:
 
@@ -49,6 +51,9 @@ from siphon_core.wire.tuple_data import UNCHANGED_TOAST, TupleDataError, Value, 
 from siphon_dagster.streaming.fold import VERSION_TYPE
 
 INPUT_SCHEMA = pa.schema([pa.field("seq", pa.int64(), nullable=False), pa.field("payload", pa.binary())])
+# The same rows when the payloads lie in a file the executors read (local mode): where each lies.
+INPUT_FILE_SCHEMA = pa.schema([pa.field("seq", pa.int64(), nullable=False), pa.field("start", pa.int64(), nullable=False),
+                               pa.field("length", pa.int64(), nullable=False)])
 DECODED_SCHEMA = pa.schema([
     pa.field("_key", pa.binary()),
     pa.field("_op", pa.int8()),

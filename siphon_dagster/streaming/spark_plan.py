@@ -20,7 +20,10 @@ several times the decoding itself. In local mode, where the executors' Python wo
 driver's file system, a task writes its stream to a file of the batch's own temporary directory
 and hands on only the file's name (`_path`): the JVM then copies no values at all (it copied each
 blob several times, from the worker, into Spark rows and back to Arrow for the driver), and the
-driver maps the file instead of reading it from a socket.
+driver maps the file instead of reading it from a socket. The packages go the same way: the driver
+writes the batch's payloads to one file of that directory and the Spark rows say where each lies,
+so no payload becomes part of a task (Spark warned of tasks of several megabytes and copied each
+payload into the JVM and out to a Python worker).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from siphon_core.wire.packages import encode_package
 from siphon_core.wire.tuple_data import encode_tuple
 from siphon_dagster.streaming.batch import ReceivedPackage, describe
 from siphon_dagster.streaming.decode import (
+    INPUT_FILE_SCHEMA,
     INPUT_SCHEMA,
     DecodeSpec,
     PackageDecoder,
@@ -54,6 +58,7 @@ from siphon_dagster.streaming.fold import latest_indices, merge_pieces, with_ver
 from siphon_dagster.streaming.spark_session import decode_slices, is_remote
 
 BLOB_DDL = "_blob binary, _path string"
+PACKAGES_FILE = "packages"  # in a job's result directory: the payloads of its packages
 # Decoded changes a decode task folds and hands on at once; the merge still meets every change of
 # a key, whatever the number of pieces.
 DECODED_BYTES_PER_FLUSH = 128 << 20
@@ -70,8 +75,8 @@ def folded_pieces(spark: SparkSession, packages: Sequence[ReceivedPackage], spec
     """The tasks' folded rows: each piece holds a key at most once; `merge_folded` makes one row
     per key of the batch out of them."""
     with _result_directory(spark) as directory:
-        return _collect(_package_frame(spark, packages).mapInArrow(DecodeStage(spec, truncated_at, directory=directory),
-                                                                   BLOB_DDL))
+        stage = DecodeStage(spec, truncated_at, directory=directory)
+        return _collect(_package_frame(spark, packages, directory).mapInArrow(stage, BLOB_DDL))
 
 
 def merge_folded(pieces: Sequence[pa.Table], column_count: int) -> pa.Table:
@@ -107,13 +112,15 @@ def key_history(spark: SparkSession, packages: Sequence[ReceivedPackage], spec: 
     columns at `positions`; decodes the batch again, which only unchanged TOASTed values cost."""
     with _result_directory(spark) as directory:
         stage = DecodeStage(spec, None, keys=frozenset(keys), positions=tuple(positions), directory=directory)
-        pieces = _collect(_package_frame(spark, packages).mapInArrow(stage, BLOB_DDL))
+        pieces = _collect(_package_frame(spark, packages, directory).mapInArrow(stage, BLOB_DDL))
     return pa.concat_tables(pieces) if pieces else folded_schema(len(spec.columns), positions).empty_table()
 
 
 class DecodeStage:
     """Executors: packages in, IPC streams of the task's folded changes out (picklable), as blobs
-    or, with a `directory` the driver reads too, as files named by their path."""
+    or, with a `directory` the driver reads too, as files named by their path. Packages come as
+    rows of `INPUT_SCHEMA`, or of `INPUT_FILE_SCHEMA` when they lie in that directory's
+    `PACKAGES_FILE`."""
 
     def __init__(self, spec: DecodeSpec, truncated_at: int | None, keys: frozenset[bytes] | None = None,
                  positions: tuple[int, ...] | None = None, directory: str | None = None) -> None:
@@ -128,7 +135,7 @@ class DecodeStage:
         parts: list[pa.RecordBatch] = []
         held = 0
         for batch in batches:
-            for seq, payload in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
+            for seq, payload in self._payloads(batch):
                 for part in decoder.decode(seq, payload):
                     parts.append(part)
                     held += part.nbytes
@@ -138,6 +145,23 @@ class DecodeStage:
         if parts:
             yield self._flush(parts)
         _freeze_worker_heap()
+
+    def _payloads(self, batch: pa.RecordBatch) -> Iterator[tuple[int, bytes]]:
+        sequences = batch.column(0).to_pylist()
+        if batch.num_columns == len(INPUT_SCHEMA):
+            yield from zip(sequences, batch.column(1).to_pylist(), strict=True)
+            return
+        if self.directory is None:
+            raise ValueError("packages given by their place in a file, but the decode stage has no directory")
+        path = os.path.join(self.directory, PACKAGES_FILE)
+        starts, lengths = batch.column(1).to_pylist(), batch.column(2).to_pylist()
+        with open(path, "rb") as file:
+            for seq, start, length in zip(sequences, starts, lengths, strict=True):
+                payload = os.pread(file.fileno(), length, start)
+                if len(payload) != length:
+                    raise ValueError(f"stream sequence {seq}: {path} ends before the package's {length} bytes at "
+                                     f"{start}")
+                yield seq, payload
 
     def _flush(self, parts: list[pa.RecordBatch]) -> pa.RecordBatch:
         decoded = locate_changes(parts, self.spec)
@@ -172,17 +196,32 @@ def _freeze_worker_heap() -> None:
         gc.freeze()
 
 
-def _package_frame(spark: SparkSession, packages: Sequence[ReceivedPackage]) -> DataFrame:
-    """(seq, payload) rows spread over the executors, each slice about as large as the others."""
+def _package_frame(spark: SparkSession, packages: Sequence[ReceivedPackage], directory: str | None) -> DataFrame:
+    """One row per package, spread over the executors, each slice about as large as the others."""
     slices = decode_slices(spark)
     order = _balanced_order([len(p.payload) for p in packages], slices)
-    data = pa.Table.from_arrays([pa.array([packages[i].sequence for i in order], pa.int64()),
-                                 pa.array([packages[i].payload for i in order], pa.binary())], schema=INPUT_SCHEMA)
-    frame = spark.createDataFrame(data)
+    frame = spark.createDataFrame(package_rows([packages[i] for i in order], directory))
     if not is_remote(spark):
         return frame  # a local relation is already cut into `slices` contiguous, equally long slices
     partitions = min(len(packages), slices)
     return frame.repartition(partitions) if partitions > 1 else frame
+
+
+def package_rows(packages: Sequence[ReceivedPackage], directory: str | None) -> pa.Table:
+    """`INPUT_SCHEMA` rows; with a `directory`, the payloads are written to its `PACKAGES_FILE`
+    and the rows (`INPUT_FILE_SCHEMA`) say where each lies."""
+    sequences = pa.array([p.sequence for p in packages], pa.int64())
+    if directory is not None:
+        lengths = np.array([len(p.payload) for p in packages], np.int64)
+        try:
+            with open(os.path.join(directory, PACKAGES_FILE), "wb") as file:
+                file.writelines(p.payload for p in packages)
+        except OSError:
+            pass  # a full or vanished directory: the payloads go through Spark
+        else:
+            starts = np.cumsum(lengths) - lengths
+            return pa.Table.from_arrays([sequences, pa.array(starts), pa.array(lengths)], schema=INPUT_FILE_SCHEMA)
+    return pa.Table.from_arrays([sequences, pa.array([p.payload for p in packages], pa.binary())], schema=INPUT_SCHEMA)
 
 
 def _balanced_order(sizes: Sequence[int], slices: int) -> list[int]:

@@ -12,7 +12,8 @@ from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
 from siphon_dagster.streaming import spark_plan
-from siphon_dagster.streaming.decode import INPUT_SCHEMA, DecodeSpec, locate_changes
+from siphon_dagster.streaming.batch import describe
+from siphon_dagster.streaming.decode import INPUT_FILE_SCHEMA, INPUT_SCHEMA, DecodeSpec, locate_changes
 from siphon_dagster.streaming.fold import latest_indices, merge_pieces
 from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
 
@@ -49,20 +50,22 @@ def _random_packages(seed: int) -> tuple[list[pb.Package], dict[str, tuple[int, 
 
 
 def _run_stages(packages: list[pb.Package], tasks: int, directory: str | None = None) -> pa.Table:
-    """The decode stage over `tasks` slices of the packages, then the driver's merge; results as
-    blobs, or as files in `directory`."""
+    """The decode stage over `tasks` slices of the packages, then the driver's merge. With a
+    `directory`, the packages are read from a file there and the results are files there; else
+    both go as values, as through Spark Connect."""
+    received = [describe(p, (i + 1,), encode_package(p)) for i, p in enumerate(packages)]
+    rows = spark_plan.package_rows(received, directory)
+    assert rows.schema == (INPUT_SCHEMA if directory is None else INPUT_FILE_SCHEMA)
     pieces = []
     for task in range(tasks):
-        mine = [(i + 1, p) for i, p in enumerate(packages) if i % tasks == task]
-        payloads = pa.RecordBatch.from_arrays(
-            [pa.array([seq for seq, _ in mine], pa.int64()), pa.array([encode_package(p) for _, p in mine])],
-            schema=INPUT_SCHEMA)
+        mine = rows.take([i for i in range(len(packages)) if i % tasks == task])
         stage = spark_plan.DecodeStage(SPEC, None, directory=directory)
-        pieces += [piece for out in stage(iter([payloads])) for piece in spark_plan._results(out)]
+        pieces += [piece for batch in mine.to_batches() for out in stage(iter([batch]))
+                   for piece in spark_plan._results(out)]
     return spark_plan.merge_folded(pieces, len(SPEC.columns))
 
 
-@pytest.mark.parametrize("route", ["blobs", "files"])
+@pytest.mark.parametrize("route", ["values", "files"])
 @pytest.mark.parametrize("flush_bytes", [1, 1 << 30])
 @pytest.mark.parametrize("tasks", [1, 3])
 def test_any_cut_into_tasks_and_pieces_keeps_each_keys_latest_change(monkeypatch, tmp_path, flush_bytes, tasks, route):
@@ -71,7 +74,9 @@ def test_any_cut_into_tasks_and_pieces_keeps_each_keys_latest_change(monkeypatch
 
     rows = _run_stages(packages, tasks, str(tmp_path) if route == "files" else None)
 
-    assert list(tmp_path.iterdir()) == [], "the driver removes each result file it read"
+    left = [path.name for path in tmp_path.iterdir()]
+    assert left == ([spark_plan.PACKAGES_FILE] if route == "files" else []), \
+        "the driver removes each result file it read; the packages file goes with the directory"
 
     got = {}
     for row in rows.to_pylist():
@@ -92,6 +97,28 @@ def test_a_result_file_that_cannot_be_written_goes_through_spark_as_a_blob(tmp_p
 
     assert out.column("_path").null_count == 1 and out.column("_blob").null_count == 0
     assert spark_plan.merge_folded(spark_plan._results(out), len(SPEC.columns)).num_rows == len(latest)
+
+
+def test_packages_that_cannot_be_written_to_a_file_go_as_values(tmp_path):
+    packages, latest = _random_packages(seed=5)
+    received = [describe(p, (i + 1,), encode_package(p)) for i, p in enumerate(packages)]
+
+    rows = spark_plan.package_rows(received, str(tmp_path / "gone"))
+
+    assert rows.schema == INPUT_SCHEMA
+    [out] = spark_plan.DecodeStage(SPEC, None)(iter(rows.to_batches()))
+    assert spark_plan.merge_folded(spark_plan._results(out), len(SPEC.columns)).num_rows == len(latest)
+
+
+def test_a_packages_file_shorter_than_its_rows_say_is_named(tmp_path):
+    packages, _ = _random_packages(seed=6)
+    received = [describe(p, (i + 1,), encode_package(p)) for i, p in enumerate(packages)]
+    rows = spark_plan.package_rows(received, str(tmp_path))
+    path = tmp_path / spark_plan.PACKAGES_FILE
+    path.write_bytes(path.read_bytes()[:-1])
+
+    with pytest.raises(ValueError, match=rf"stream sequence \d+: .*{spark_plan.PACKAGES_FILE} ends before"):
+        list(spark_plan.DecodeStage(SPEC, None, directory=str(tmp_path))(iter(rows.to_batches())))
 
 
 @pytest.mark.parametrize(("sizes", "slices"), [([5, 1, 9, 3, 7, 2, 8], 2), ([4] * 5, 3), ([1, 2], 4), ([], 2)])
