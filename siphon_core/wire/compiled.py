@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import read_package, spans_array
+from siphon_core.wire.event_columns import read_package, spans_array, summarize_package
 from siphon_core.wire.tuple_columns import split_tuples
 from siphon_core.wire.tuple_data import encode_tuple
 
@@ -23,7 +23,8 @@ def compile_all() -> None:
     package = pb.Package(events=[pb.Event(operation=pb.INSERT, commit_lsn=1, position=1)])
     package.events[0].new_row.tuple = encode_tuple([b"1"])
     envelope, events = read_package(package.SerializeToString())
-    if events is None:
+    _, summary = summarize_package(package.SerializeToString())
+    if events is None or summary.event_count != 1:
         raise RuntimeError("the compiled event reader could not read a package it should read")
     spans_array(events.data, events.new_starts, events.new_lengths)
     events.event(0)

@@ -3,7 +3,8 @@
 Parsing a package on the driver is cheap (zstd and protobuf run in C); decoding its row tuples is
 the costly part and is left to the executors. The driver reassembles sliced events (rare), and
 reads the column list, LSNs, commit times and operation counts that the batch report and the
-schema step need.
+schema step need, in one walk over the package that keeps nothing per event
+(`event_columns.summarize_package`).
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import EventColumns, package_events, read_package
+from siphon_core.wire.event_columns import (
+    UNKNOWN_OPERATION,
+    PackageSummary,
+    package_events,
+    summarize_events,
+    summarize_package,
+)
 from siphon_core.wire.packages import ChunkReassembler, decompress_package, encode_package
 
 OPERATION_NAMES = {pb.INSERT: "insert", pb.UPDATE: "update", pb.DELETE: "delete", pb.TRUNCATE: "truncate",
                    pb.SNAPSHOT: "snapshot"}
-_OPERATION_VALUES = pb.Operation.values()
 
 
 @dataclass(frozen=True)
@@ -43,31 +47,23 @@ class ReceivedPackage:
 
 
 def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes,
-             events: EventColumns | None = None) -> ReceivedPackage:
-    """What the driver needs of a package; `events` are its events as columns when they were read
-    with it (`event_columns.read_package`)."""
-    if events is None:
-        events = package_events(package)
-    operations_by_value = np.bincount(events.operations[events.operations >= 0],
-                                      minlength=len(_OPERATION_VALUES))
+             summary: PackageSummary | None = None) -> ReceivedPackage:
+    """What the driver needs of a package; `summary` is its events' summary when it was read with
+    it (`event_columns.summarize_package`)."""
+    if summary is None:
+        summary = summarize_events(package_events(package))
     operations: Counter[str] = Counter()
-    for value, count in enumerate(operations_by_value.tolist()):
-        if count:
-            operations[OPERATION_NAMES.get(value, "unknown")] += count
-    truncated_at = None
-    truncates = np.flatnonzero(events.operations == pb.TRUNCATE)
-    if truncates.size:
-        last = int(truncates[-1])
-        truncated_at = naming.row_version(int(events.commit_lsns[last]), int(events.positions[last]))
+    for value, count in summary.operation_counts.items():
+        operations[OPERATION_NAMES.get(value, "unknown") if value != UNKNOWN_OPERATION else "unknown"] += count
+    truncated_at = naming.row_version(*summary.last_truncate) if summary.last_truncate is not None else None
     # Events are in commit order: the first and the last carry the oldest and newest commit times.
-    times = events.commit_times_us
-    oldest, newest = (int(min(times[0], times[-1])), int(max(times[0], times[-1]))) if len(events) else (0, 0)
+    first_time, last_time = summary.first_commit_time_us, summary.last_commit_time_us
     return ReceivedPackage(
         sequences=sequences, payload=payload, columns=tuple(_detached(c) for c in package.columns),
-        first_commit_lsn=package.first_commit_lsn or (int(events.commit_lsns[0]) if len(events) else 0),
-        last_commit_lsn=package.last_commit_lsn or (int(events.commit_lsns[-1]) if len(events) else 0),
-        oldest_commit_time_us=oldest, newest_commit_time_us=newest, operations=operations,
-        truncated_at=truncated_at,
+        first_commit_lsn=package.first_commit_lsn or summary.first_commit_lsn,
+        last_commit_lsn=package.last_commit_lsn or summary.last_commit_lsn,
+        oldest_commit_time_us=min(first_time, last_time), newest_commit_time_us=max(first_time, last_time),
+        operations=operations, truncated_at=truncated_at,
     )
 
 
@@ -89,9 +85,9 @@ class PackageAssembler:
     def accept(self, sequence: int, data: bytes) -> ReceivedPackage | None:
         """Raises siphon_core.wire.packages.PackageError for a message that is not a package."""
         where = f"stream sequence {sequence}"
-        package, events = read_package(decompress_package(data, where), where)
+        package, summary = summarize_package(decompress_package(data, where), where)
         if not package.HasField("chunk"):
-            return describe(package, (sequence,), data, events)
+            return describe(package, (sequence,), data, summary)
         if package.chunk.index != len(self._slices):
             # A resent event starts again at slice 0 and supersedes the partial one (as the
             # reassembler does); a slice out of place is dropped with it.

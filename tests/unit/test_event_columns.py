@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import gather_spans, read_events, read_package
+from siphon_core.wire.event_columns import (
+    UNKNOWN_OPERATION,
+    PackageSummary,
+    gather_spans,
+    read_events,
+    read_package,
+    summarize_package,
+)
 from siphon_core.wire.packages import PackageError
 
 
@@ -128,3 +135,51 @@ def test_a_package_only_the_generated_classes_read_still_reads_as_columns():
 
     assert package.schema == "public" and len(events) == 1
     assert events.event(0) == event
+
+
+def _summary_of(package: pb.Package) -> PackageSummary:
+    """What the summary must say, from the generated classes."""
+    events = list(package.events)
+    counts: dict[int, int] = {}
+    for event in events:
+        value = event.operation if 0 <= event.operation < 15 else UNKNOWN_OPERATION
+        counts[value] = counts.get(value, 0) + 1
+    truncates = [e for e in events if e.operation == pb.TRUNCATE]
+    return PackageSummary(
+        event_count=len(events), operation_counts=counts,
+        first_commit_lsn=events[0].commit_lsn if events else 0, last_commit_lsn=events[-1].commit_lsn if events else 0,
+        first_commit_time_us=events[0].commit_time_us if events else 0,
+        last_commit_time_us=events[-1].commit_time_us if events else 0,
+        last_truncate=(truncates[-1].commit_lsn, truncates[-1].position) if truncates else None)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_summary_says_what_the_generated_classes_read(seed):
+    rng = random.Random(100 + seed)
+    package = pb.Package(schema="public", table="notes", last_commit_lsn=rng.randrange(2**64), sequence=seed)
+    package.columns.append(pb.Column(name="id", type_oid=20, primary_key=True))
+    package.events.extend(_random_event(rng) for _ in range(rng.randrange(0, 300)))
+    serialized = package.SerializeToString()
+
+    envelope, summary = summarize_package(serialized)
+
+    assert summary == _summary_of(package)
+    package.ClearField("events")
+    assert envelope == package
+
+
+def test_a_summary_of_a_package_the_walk_cannot_read_comes_from_the_generated_classes():
+    event = pb.Event(operation=pb.TRUNCATE, commit_lsn=9, position=4)
+    # old_row_is_full sent length-delimited inside an event: protobuf reads it (as an unknown
+    # field), the walk leaves it to the generated classes.
+    odd = event.SerializeToString() + bytes([8 << 3 | 2, 0])
+    serialized = pb.Package(table="notes").SerializeToString() + bytes([6 << 3 | 2, len(odd)]) + odd
+    assert read_events(serialized) is None
+
+    envelope, summary = summarize_package(serialized)
+
+    assert envelope.table == "notes" and not envelope.events
+    assert summary == _summary_of(pb.Package.FromString(serialized))
+    assert summary.last_truncate == (9, 4)
+    with pytest.raises(PackageError, match="stream sequence 8: not a Siphon package"):
+        summarize_package(bytes([3 << 3 | 3]), "stream sequence 8")
