@@ -19,7 +19,7 @@ SESSION_OPTIONS = connection_options()
 _COLUMNS_QUERY = """
 select a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), a.atttypmod, not a.attnotnull,
        coalesce(a.attnum = any(pk.indkey), false), t.typcategory::text,
-       coalesce(nullif(t.typelem, 0), 0)::int
+       coalesce(nullif(t.typelem, 0), 0)::int, a.attgenerated <> ''
 from pg_attribute a
 join pg_class c on c.oid = a.attrelid
 join pg_namespace n on n.oid = c.relnamespace
@@ -71,11 +71,19 @@ def table_schema(connection: psycopg.Connection[Any], table: TableConfig) -> Tab
     unknown = set(table.exclude_columns) - {row[0] for row in rows}
     if unknown:
         raise SourceError(f"table {table.name}: exclude_columns names columns that do not exist: {sorted(unknown)}")
+    generated_keys = [row[0] for row in rows if row[8] and row[5]]
+    if generated_keys:
+        raise SourceError(f"table {table.name}: primary key column(s) {generated_keys} are generated columns, which "
+                          "PostgreSQL does not publish in its change stream")
+    # Generated columns are left out everywhere: PostgreSQL's change stream never carries them (its
+    # publications leave them out), so a snapshot that copied them would leave streamed rows without
+    # a value, and every batch would see a column vanish. A target can compute them again from the
+    # columns they are generated from.
     columns = tuple(
         SourceColumn(name=name, type_oid=oid, type_name=type_name, type_modifier=typmod, nullable=nullable,
                      primary_key=primary_key, category=category, element_type_oid=element)
-        for name, oid, type_name, typmod, nullable, primary_key, category, element in rows
-        if name not in table.exclude_columns
+        for name, oid, type_name, typmod, nullable, primary_key, category, element, generated in rows
+        if name not in table.exclude_columns and not generated
     )
     if not any(c.primary_key for c in columns):
         raise SourceError(f"table {table.name}: has no primary key; Siphon keeps one row per primary key at its "
