@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -74,9 +75,12 @@ def _start_ticks(pid: int) -> str:
 
 @contextmanager
 def stop_when_orphaned(stop: Callable[[], None], on_orphaned: Callable[[str], None],
-                       grace_seconds: float = 60.0, interval_seconds: float = 1.0) -> Iterator[None]:
+                       grace_seconds: float = 60.0, interval_seconds: float = 1.0,
+                       linger_seconds: float = 10.0) -> Iterator[None]:
     """Calls `stop` when this process's parent dies, and exits the process if it has not left the
-    block `grace_seconds` later.
+    block `grace_seconds` later; having left it, the process still exits `linger_seconds` later if
+    it has not ended by itself (what runs on its way out may wait for its dead parent forever: a
+    multiprocessing queue's feeder thread flushing into a pipe, say).
 
     A step of Dagster's multiprocess executor runs in a child of the run's worker. When the worker
     is killed, Dagster marks the run failed and the sensor starts another, but the child lives on
@@ -94,7 +98,9 @@ def stop_when_orphaned(stop: Callable[[], None], on_orphaned: Callable[[str], No
                 if not done.wait(grace_seconds):
                     on_orphaned(f"still running {grace_seconds:.0f}s after the run's worker died: exiting")
                     os._exit(1)
-                return
+                # Left in time: the step records its end, then nothing is left for this process to do.
+                time.sleep(linger_seconds)
+                os._exit(0)
 
     watcher = threading.Thread(target=watch, name="siphon-orphan-watch", daemon=True)
     watcher.start()

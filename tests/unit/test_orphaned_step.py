@@ -20,17 +20,20 @@ from tests.helpers.processes import alive
 STEP = textwrap.dedent("""
     import os, sys, threading
     from siphon_dagster.run_liveness import stop_when_orphaned
-    directory, obey = sys.argv[1], sys.argv[2] == "obey"
+    directory, obey, hang = sys.argv[1], sys.argv[2] == "obey", sys.argv[3] == "hang"
     stopped = threading.Event()
     def log(message):
         with open(os.path.join(directory, "log"), "a") as out:
             out.write(message + "\\n")
-    with stop_when_orphaned(stopped.set if obey else (lambda: None), log, grace_seconds=1.0, interval_seconds=0.1):
+    with stop_when_orphaned(stopped.set if obey else (lambda: None), log, grace_seconds=1.0, interval_seconds=0.1,
+                            linger_seconds=0.5):
         with open(os.path.join(directory, "ready"), "w") as out:
             out.write(str(os.getpid()))
         stopped.wait(60)
     with open(os.path.join(directory, "stopped"), "w") as out:
         out.write("yes")
+    if hang:  # what runs on the way out waits forever (a thread the interpreter joins at exit)
+        threading.Thread(target=threading.Event().wait).start()
 """)
 WORKER = textwrap.dedent("""
     import subprocess, sys, time
@@ -47,10 +50,11 @@ def _wait_for(predicate, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("obey", [True, False], ids=["stops", "exits_after_grace"])
-def test_a_step_stops_when_its_run_worker_is_killed(tmp_path: Path, obey: bool) -> None:
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, STEP, str(tmp_path), "obey" if obey else "ignore"],
-                              start_new_session=True)
+@pytest.mark.parametrize(("obey", "hang"), [(True, False), (True, True), (False, False)],
+                         ids=["stops", "stops_then_exits_though_its_way_out_hangs", "exits_after_grace"])
+def test_a_step_stops_when_its_run_worker_is_killed(tmp_path: Path, obey: bool, hang: bool) -> None:
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, STEP, str(tmp_path), "obey" if obey else "ignore",
+                               "hang" if hang else "end"], start_new_session=True)
     try:
         _wait_for(lambda: (tmp_path / "ready").exists() and (tmp_path / "ready").read_text(), 60, "the step to start")
         step = int((tmp_path / "ready").read_text())
