@@ -8,6 +8,9 @@ Order matters for one thing: an unchanged TOASTed value is filled from the targe
 which must hold every earlier change. JetStream redelivers an unacknowledged message only after
 its ack wait, while newer messages flow at once; so a run that finds messages left unacknowledged
 by a previous run rewinds the consumer to its ack floor first, and the stream replays in order.
+Within a run, every message pulled and not yet acked is marked in progress at a third of the
+consumer's ack wait, so that a batch slower than the ack wait (a slow warehouse, a large batch)
+is not redelivered and applied again while it is still being written.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from siphon_dagster.targets.base import Target
 
 _log = get_logger("streaming.consumer")
 _FETCH_STEP = 64  # messages per pull request: bounds how far a batch overshoots its byte limit
+_PROGRESS_SHARE_OF_ACK_WAIT = 1 / 3  # in-progress marks are sent this often, as a share of the ack wait
 
 
 class StreamConsumer:
@@ -62,6 +66,8 @@ class StreamConsumer:
             durable=self.durable)
         self._assembler = PackageAssembler()
         self._held: dict[int, Msg] = {}  # slices of an event whose last slice has not arrived
+        self._unacked: dict[int, Msg] = {}  # every message pulled and not yet acked, by id()
+        self.progress_interval_seconds: float | None = None  # None: a third of the consumer's ack wait
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -80,9 +86,11 @@ class StreamConsumer:
             await self.queue.ensure_stream()
             await self._rewind_if_interrupted()
             subscription = await self.queue.pull_subscription(self.durable, self.subject)
+            progress = asyncio.create_task(self._mark_in_progress(await self._progress_interval()))
             try:
                 await self._loop(subscription, summary, stop_when_drained, max_batches, on_batch)
             finally:
+                progress.cancel()
                 # Unacknowledged messages of a failed batch wait for the next run, which replays them.
                 await subscription.unsubscribe()
         finally:
@@ -195,7 +203,28 @@ class StreamConsumer:
                 break
             messages += got
             size += sum(len(m.data) for m in got)
+            self._unacked.update((id(m), m) for m in got)
         return messages
+
+    async def _progress_interval(self) -> float:
+        if self.progress_interval_seconds is not None:
+            return self.progress_interval_seconds
+        info = await self.queue.js.consumer_info(self.queue.settings.stream, self.durable)
+        return max(1.0, float(info.config.ack_wait or 30.0) * _PROGRESS_SHARE_OF_ACK_WAIT)
+
+    async def _mark_in_progress(self, interval: float) -> None:
+        """Resets the ack wait of every message pulled and not yet acked, every `interval` seconds."""
+        while True:
+            await asyncio.sleep(interval)
+            for key, message in list(self._unacked.items()):
+                if message.is_acked:
+                    self._unacked.pop(key, None)
+                    continue
+                try:
+                    await message.in_progress()
+                except Exception as error:  # a closed connection: the run is ending anyway
+                    _log.debug("could not mark a message in progress", error=str(error))
+                    return
 
     async def _assemble(self, messages: Sequence[Msg], pulled_at: float, after: _Batch | None = None) -> _Batch:
         """Whole packages out of the messages (slices wait for their last slice), and their Spark
@@ -245,7 +274,9 @@ class StreamConsumer:
         elif batch.early is not None:
             await batch.early
         started = time.perf_counter()
-        await _ack([batch.by_sequence[s] for s in batch.done if s in batch.by_sequence and s not in dead_lettered])
+        acked = {s for s in batch.done if s in batch.by_sequence and s not in dead_lettered}
+        await _ack([batch.by_sequence[s] for s in batch.done if s in acked])
+        self._forget_acked(acked)
         timings["ack"] = round(time.perf_counter() - started, 4)
         if not batch.packages and not dead_lettered:
             return None
@@ -253,6 +284,13 @@ class StreamConsumer:
             timings.update(applied.seconds)
         return self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
                             await self._pending(), warnings)
+
+    def _forget_acked(self, sequences: set[int]) -> None:
+        """Stops marking acked messages in progress; an older copy of an acked sequence (a slice
+        held, then delivered again) is done with too."""
+        for key, message in list(self._unacked.items()):
+            if message.is_acked or message.metadata.sequence.stream in sequences:
+                del self._unacked[key]
 
     async def _pending(self) -> int:
         """Messages still to apply; held slices count as applied-later, not as pending work."""
@@ -304,12 +342,15 @@ def _below(limit: int | None, count: int) -> bool:
 
 
 async def _ack(messages: Sequence[Msg]) -> None:
-    """Acks in order; waiting for the last ack's confirmation means every earlier one was processed."""
-    if not messages:
+    """Acks in order, each message once (a sequence named twice, as a superseded slice and its
+    resent copy, is one message); waiting for the last ack's confirmation means every earlier one
+    was processed."""
+    unique = [m for m in {id(m): m for m in messages}.values() if not m.is_acked]
+    if not unique:
         return
-    for message in messages[:-1]:
+    for message in unique[:-1]:
         await message.ack()
-    await messages[-1].ack_sync()
+    await unique[-1].ack_sync()
 
 
 __all__ = ["BatchReport", "RetryPolicy", "RunSummary", "StreamApplyError", "StreamConsumer"]

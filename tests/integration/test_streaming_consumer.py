@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -306,4 +307,56 @@ def test_batches_prepared_while_the_one_before_is_written_converge(request: pyte
     assert len(early) == 4 and early[1], f"batch 2's messages were there while batch 1 was written: {early}"
     assert not early[2], "a batch that changes the schema is prepared only after the batch before is written"
     assert [r.unchanged_values_filled for r in reports] == [0, 3, 1, 3]
+    target.close()
+
+
+class SlowFirstWrite(CrashAfterCommit):
+    """Delegates to a real target; its first write takes `seconds` longer."""
+
+    def __init__(self, inner: Target, seconds: float) -> None:
+        super().__init__(inner, crash_on_call=0)
+        self.seconds = seconds
+
+    def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(self.seconds)
+        return self.inner.apply_rows(table, rows)
+
+
+def _consumer_with_ack_wait(nats_url: str, application: str, run: StreamConsumer, ack_wait_seconds: float) -> None:
+    async def create() -> None:
+        client = queue(nats_url, application)
+        await client.connect()
+        try:
+            await client.ensure_stream()
+            await client.ensure_consumer(run.durable, run.subject, ack_wait_seconds=ack_wait_seconds)
+        finally:
+            await client.close()
+
+    asyncio.run(create())
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["marked_in_progress", "not_marked"])
+def test_a_batch_slower_than_the_ack_wait_is_not_delivered_again(request: pytest.FixtureRequest, nats_url: str,
+                                                                 spark: SparkSession, unique_name: str,
+                                                                 marked: bool) -> None:
+    target = make_target(request, "clickhouse", unique_name)
+    # Five batches: the later ones are pulled (and their ack wait starts) while the first is written.
+    later = [package([insert(0x300 + i, str(10 + i), "later", "1")]) for i in range(9)]
+    publish(nats_url, unique_name, STORY + later)
+    run = consumer(nats_url, unique_name, SlowFirstWrite(target, seconds=6), spark)  # type: ignore[arg-type]
+    _consumer_with_ack_wait(nats_url, unique_name, run, ack_wait_seconds=2)
+    # Marks every 0.5 s keep the 2 s ack wait from running out; with none, it runs out (the control).
+    run.progress_interval_seconds = 0.5 if marked else 3600
+
+    reports: list[BatchReport] = []
+    summary = run.run(stop_when_drained=True, on_batch=reports.append)
+
+    assert target.current_rows_as_text(notes_schema()) == STORY_ROWS + [(str(10 + i), "later", "1") for i in range(9)]
+    first_sequences = [r.first_sequence for r in reports]
+    if marked:
+        assert summary.events == 21 and first_sequences == sorted(set(first_sequences)), first_sequences
+    else:
+        assert summary.events > 21, f"JetStream redelivers what the ack wait let run out: {first_sequences}"
     target.close()
