@@ -13,7 +13,9 @@
    enough for several batches (about 280,000 changes each at the default limits), so the figure is
    the rate of a run in its stride: with two batches, as 500,000 changes make, it is mostly the
    first batch, whose Spark work overlaps no write, and the last, whose write overlaps no Spark
-   work. A streaming run is
+   work. The rate in its stride is also printed: the events of the batches after the first over
+   the time between the first batch's ack and the last's, the pipeline full, as in a run that
+   keeps up with a live producer. A streaming run is
    long-lived, so the timed backlog meets a warm one: the Spark session is started before (its
    start-up is reported on its own line) and a first, smaller backlog (--warm-changes) is
    published and applied the same way, untimed; `--warm-changes 0` times a cold run instead. The
@@ -307,6 +309,16 @@ class Backlog:
     def apply_rate(self) -> float:
         return self.batches.events / self.apply_seconds
 
+    @property
+    def stride_rate(self) -> float | None:
+        """Events of the batches after the first over the time between the first batch's ack and
+        the last's: the rate with the pipeline full (each batch's Spark work overlapped the write
+        before it), which a long-running run keeps. None with fewer than 3 batches."""
+        reports, acked = self.batches.reports, self.batches.reported_at
+        if len(reports) < 3 or acked[-1] <= acked[0]:
+            return None
+        return sum(r.events for r in reports[1:]) / (acked[-1] - acked[0])
+
 
 def publish_backlog(stack, slot: str, changes_wanted: int) -> tuple[int, float, float, float]:
     """Writes the workload while the slot waits, then lets the producer publish it; returns the
@@ -568,6 +580,7 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
     applied_busy = [r for r in busy if r.events]
     poll_seconds = [p[2] for p in fresh.polls]
     mean = statistics.fmean
+    stride = backlog.stride_rate
     print_table("streaming apply: backlog rate beside the producer, freshness under steady load", [
         ("load average: before, after backlog, after freshness",
          f"{load_before:.1f}, {backlog.load_average:.1f}, {fresh.load_average:.1f}", "2 cores"),
@@ -582,6 +595,9 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
         ("apply: batches, first batch (s)", f"{len(reports)}, {first.latency_seconds if first else 0:.1f}", ""),
         ("apply events/s (whole run)", f"{backlog.apply_rate:,.0f}", f">= {backlog.producer_rate:,.0f}"),
         ("apply / producer", f"{backlog.apply_rate / backlog.producer_rate:.2f}", ">= 1.00"),
+        ("apply events/s in its stride (batches after the first, between acks)",
+         f"{stride:,.0f}" if stride else "n/a", f">= {backlog.producer_rate:,.0f}"),
+        ("apply in its stride / producer", f"{stride / backlog.producer_rate:.2f}" if stride else "n/a", ">= 1.00"),
         ("apply seconds by step (sum over batches)", backlog.batches.breakdown(), f"of {backlog.apply_seconds:.1f} s"),
         ("apply CPU us/event: all = driver+JVM+workers, ClickHouse", backlog.cpu.per_event_us(backlog.changes), ""),
         ("rows: source, _current view", f"{backlog.source_rows:,}, {backlog.target_rows:,}", "equal"),
@@ -642,7 +658,8 @@ def main() -> int:
 
     report(backlog, fresh, load_before)
     print_json({"apply_events_per_s": backlog.apply_rate, "producer_events_per_s": backlog.producer_rate,
-                "freshness_p50_s": fresh.percentile(0.50), "freshness_p95_s": fresh.percentile(0.95)})
+                "freshness_p50_s": fresh.percentile(0.50), "freshness_p95_s": fresh.percentile(0.95),
+                "apply_in_stride_events_per_s": backlog.stride_rate})
     converged = all(run.source_rows == run.target_rows and not run.mismatches for run in (backlog, fresh))
     return 0 if converged else 1
 

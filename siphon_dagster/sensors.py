@@ -135,10 +135,21 @@ def _live_runs(context: dg.SensorEvaluationContext, job_name: str, now: float) -
         if reason is None:
             live.append(record.dagster_run)
             continue
-        message = f"{job_name}: run {record.dagster_run.run_id} is marked failed: {reason}"
-        context.log.warning(message)
-        context.instance.report_run_failed(record.dagster_run, message)
+        _end_dead_run(context, record.dagster_run, f"{job_name}: run {record.dagster_run.run_id}", reason)
     return live
+
+
+def _end_dead_run(context: dg.SensorEvaluationContext, run: dg.DagsterRun, what: str, reason: str) -> None:
+    """Ends a run whose worker is gone: canceled when it was being canceled (its worker went as
+    asked, and a cancellation is no failure to back off from), failed otherwise."""
+    if run.status == dg.DagsterRunStatus.CANCELING:
+        message = f"{what} is marked canceled: {reason} while the run was being canceled"
+        context.log.info(message)
+        context.instance.report_run_canceled(run, message)
+        return
+    message = f"{what} is marked failed: {reason}"
+    context.log.warning(message)
+    context.instance.report_run_failed(run, message)
 
 
 def fail_dead_snapshot_runs(context: dg.SensorEvaluationContext, now: float) -> list[str]:
@@ -150,9 +161,7 @@ def fail_dead_snapshot_runs(context: dg.SensorEvaluationContext, now: float) -> 
     for record in records:
         reason = dead_run_reason(record.dagster_run, record.start_time, now)
         if reason is not None:
-            message = f"snapshot run {record.dagster_run.run_id} is marked failed: {reason}"
-            context.log.warning(message)
-            context.instance.report_run_failed(record.dagster_run, message)
+            _end_dead_run(context, record.dagster_run, f"snapshot run {record.dagster_run.run_id}", reason)
             failed.append(record.dagster_run.run_id)
     return failed
 

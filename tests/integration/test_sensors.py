@@ -132,6 +132,21 @@ def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
         assert instance.get_run_by_id(dead.run_id).status == dg.DagsterRunStatus.FAILURE
 
 
+def test_a_run_whose_worker_went_while_it_was_being_canceled_is_marked_canceled_not_failed(config):
+    defs = build_definitions(config)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = worker_identity(worker.pid)
+    worker.kill()
+    worker.wait()
+    with dg.instance_for_test() as instance:
+        canceling = create_run_for_test(instance, job_name=streaming_job_name(config),
+                                        status=dg.DagsterRunStatus.CANCELING, tags={WORKER_TAG: gone})
+        result = tick(defs, config, instance, "_streaming")
+        assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
+        assert instance.get_run_by_id(canceling.run_id).status == dg.DagsterRunStatus.CANCELED
+        assert json.loads(result.cursor)[streaming_job_name(config)]["failures"] == 0
+
+
 def test_streaming_sensor_keeps_a_run_whose_worker_is_alive_or_on_another_host(config):
     defs = build_definitions(config)
     with dg.instance_for_test() as instance:
