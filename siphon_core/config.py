@@ -23,8 +23,8 @@ class ConfigError(ValueError):
 
 
 class _Model(BaseModel):
-    # Extra keys are allowed so a deployment can carry its own annotations.
-    model_config = ConfigDict(extra="allow", frozen=True)
+    # An unknown key is refused: a misspelt setting would otherwise be ignored without a word.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class SourceConfig(_Model):
@@ -236,7 +236,10 @@ def parse_config(raw: Any, source_name: str = "siphon.yaml") -> SiphonConfig:
         lines = []
         for problem in error.errors():
             where = _describe_location(expanded, tuple(problem["loc"]))
-            lines.append(f"{source_name}: {where}: {problem['msg']}")
+            message = problem["msg"]
+            if problem["type"] == "extra_forbidden":
+                message = "unknown key (misspelt, or not a setting of this section)"
+            lines.append(f"{source_name}: {where}: {message}")
         raise ConfigError("\n".join(lines)) from None
 
 

@@ -64,6 +64,9 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
         ({"tables": [{"name": "public.a", "on_error": "ignore"}]}, "tables[0] (public.a).on_error"),
         ({"source": {}}, "source.dsn: Field required"),
         ({"tables": [{"name": "public.a"}, {"name": "public.a"}]}, "'public.a' is listed twice"),
+        ({"tables": [{"name": "public.a", "on_eror": "stop"}]},
+         "tables[0] (public.a).on_eror: unknown key (misspelt, or not a setting of this section)"),
+        ({"streaming": {"batch_max_mesages": 10}}, "streaming.batch_max_mesages: unknown key"),
     ],
 )
 def test_errors_name_the_file_the_table_and_the_key(change, expected):
