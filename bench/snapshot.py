@@ -11,7 +11,7 @@ beside COPY of the same table to /dev/null.
    calls the partition asset makes (source.table_schema, ensure_table, spool.spooled_range,
    ClickHouseTarget.apply_copy_text), each worker a process of its own like a Dagster
    run: one worker taking the partitions one after another, then two at a time (the local
-   `siphon_snapshot` pool limit). Dagster's own per-run overhead (launching the run, the event log)
+   `siphon_snapshot_clickhouse` pool limit). Dagster's own per-run overhead (launching the run, the event log)
    is not counted. Each load is repeated `--repeat` times; the best is reported.
 4. One partition covering the whole table: the peak RSS of its process must not grow with the range.
 After each load the `_current` view must hold exactly the source's rows. On a shared machine the
@@ -48,7 +48,7 @@ from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
 
 TABLE = TableConfig(name="public.notes")
-POOL_LIMIT = 2  # dagster.yaml: concurrency.pools.default_limit, which the `siphon_snapshot` pool gets
+POOL_LIMIT = 2  # dagster.yaml: concurrency.pools.default_limit, which each `siphon_snapshot_<target>` pool gets
 LOAD_BATCH_ROWS = 250_000
 
 

@@ -27,7 +27,14 @@ from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.targets.base import TableSchema, Target
 
-SNAPSHOT_POOL = "siphon_snapshot"
+SNAPSHOT_POOL_PREFIX = "siphon_snapshot"
+
+
+def snapshot_pool(target: str) -> str:
+    """The pool that caps one target's concurrent snapshot partitions (`siphon_snapshot_clickhouse`):
+    one pool per target, so that loads into a slow target never hold the slots a fast one waits
+    for; each reads the source only while its COPY runs (the spool takes the rest)."""
+    return f"{SNAPSHOT_POOL_PREFIX}_{target}"
 ORPHAN_EXIT_SECONDS = 2.0  # time for the warning to reach the event log
 
 
@@ -77,7 +84,7 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         partitions_def=spec.partitions_def,
         # The CLI's --partition-range needs single-run backfills; the run walks the ranges itself.
         backfill_policy=dg.BackfillPolicy.single_run(),
-        pool=SNAPSHOT_POOL,
+        pool=snapshot_pool(target),
         outs={"snapshot": dg.AssetOut(
         key=spec.target_key(target),
         group_name=spec.group,

@@ -69,3 +69,10 @@ def test_a_missing_configuration_is_explained(monkeypatch):
     monkeypatch.delenv("SIPHON_CONFIG", raising=False)
     with pytest.raises(ConfigError, match="SIPHON_CONFIG is not set"):
         load_definitions()
+
+
+def test_each_target_has_a_snapshot_pool_of_its_own():
+    defs = build_definitions(config(tables=[{"name": "public.notes"}]))
+    pools = {target: defs.resolve_assets_def(dg.AssetKey([target, "public", "notes"])).op.pool
+             for target in ("clickhouse", "snowflake")}
+    assert pools == {"clickhouse": "siphon_snapshot_clickhouse", "snowflake": "siphon_snapshot_snowflake"}
