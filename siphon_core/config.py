@@ -75,6 +75,9 @@ class ProducerConfig(_Model):
         return value
 
 
+TARGET_NAMES = ("clickhouse", "snowflake")
+
+
 class TableConfig(_Model):
     name: str
     exclude_columns: list[str] = Field(default_factory=list)
@@ -82,6 +85,8 @@ class TableConfig(_Model):
     # What a streaming run does with a package it cannot apply: stop (default),
     # retry with backoff, or move it to the dead-letter subject and go on.
     on_error: str = "stop"
+    # The targets this table is replicated to; None: every configured target.
+    targets: list[str] | None = None
 
     @field_validator("name")
     @classmethod
@@ -96,6 +101,20 @@ class TableConfig(_Model):
     def _strategy(cls, value: str) -> str:
         if value not in ("stop", "retry", "dead_letter"):
             raise ValueError("must be one of stop, retry, dead_letter")
+        return value
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("name at least one target, or leave the key out for every configured target")
+        unknown = [name for name in value if name not in TARGET_NAMES]
+        if unknown:
+            raise ValueError(f"{unknown} are not targets; the targets are {list(TARGET_NAMES)}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value} names a target twice")
         return value
 
     @property
@@ -133,7 +152,7 @@ class TargetsConfig(_Model):
     snowflake: SnowflakeTargetConfig | None = None
 
     def configured(self) -> list[str]:
-        return [name for name in ("clickhouse", "snowflake") if getattr(self, name) is not None]
+        return [name for name in TARGET_NAMES if getattr(self, name) is not None]
 
 
 class SparkConfig(_Model):
@@ -180,6 +199,10 @@ class SiphonConfig(_Model):
             if table.name in seen:
                 raise ValueError(f"tables: '{table.name}' is listed twice")
             seen.add(table.name)
+            missing = [name for name in table.targets or () if name not in self.targets.configured()]
+            if missing:
+                raise ValueError(f"tables: '{table.name}' names target(s) {missing}, which are not configured under "
+                                 "targets:")
         return self
 
     def table(self, name: str) -> TableConfig:

@@ -70,7 +70,9 @@ def table_specs(config: SiphonConfig) -> list[TableSpec]:
     targets = tuple(config.targets.configured())
     if not targets:
         raise ValueError("targets: configure at least one target (clickhouse or snowflake) in siphon.yaml")
-    specs = [TableSpec(config.application_identifier, table, targets, config.streaming) for table in config.tables]
+    specs = [TableSpec(config.application_identifier, table,
+                       tuple(t for t in targets if table.targets is None or t in table.targets), config.streaming)
+             for table in config.tables]
     job_names: dict[str, str] = {}
     for spec in specs:
         # Different tables can collapse to one job name (`a.b` and `a_b`); refuse clearly.

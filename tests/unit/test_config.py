@@ -34,6 +34,7 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
             exclude_columns: [note_html]
             blocks_per_partition: 8192
           - name: public.issues
+            targets: [clickhouse]
         targets:
           clickhouse:
             url: http://127.0.0.1:8123
@@ -49,6 +50,7 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
     assert config.application_identifier == "dev.main.1"
     assert config.table("public.notes").exclude_columns == ["note_html"]
     assert config.table("public.issues").blocks_per_partition == 8192
+    assert config.table("public.issues").targets == ["clickhouse"] and config.table("public.notes").targets is None
     assert config.targets.snowflake.password == "s3cret"
     assert config.targets.snowflake.schema_ == "PUBLIC"
     assert config.targets.configured() == ["clickhouse", "snowflake"]
@@ -67,6 +69,10 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
         ({"tables": [{"name": "public.a", "on_eror": "stop"}]},
          "tables[0] (public.a).on_eror: unknown key (misspelt, or not a setting of this section)"),
         ({"streaming": {"batch_max_mesages": 10}}, "streaming.batch_max_mesages: unknown key"),
+        ({"tables": [{"name": "public.a", "targets": ["clickhous"]}]},
+         "tables[0] (public.a).targets: Value error, ['clickhous'] are not targets"),
+        ({"tables": [{"name": "public.a", "targets": ["snowflake"]}]},
+         "tables: 'public.a' names target(s) ['snowflake'], which are not configured under targets:"),
     ],
 )
 def test_errors_name_the_file_the_table_and_the_key(change, expected):

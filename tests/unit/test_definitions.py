@@ -76,3 +76,12 @@ def test_each_target_has_a_snapshot_pool_of_its_own():
     pools = {target: defs.resolve_assets_def(dg.AssetKey([target, "public", "notes"])).op.pool
              for target in ("clickhouse", "snowflake")}
     assert pools == {"clickhouse": "siphon_snapshot_clickhouse", "snowflake": "siphon_snapshot_snowflake"}
+
+
+def test_a_table_goes_to_the_targets_it_names():
+    defs = build_definitions(config(tables=[{"name": "public.notes"}, {"name": "public.events", "targets": ["snowflake"]}]))
+    keys = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
+    assert keys == {"postgres/public/notes", "clickhouse/public/notes", "snowflake/public/notes",
+                    "postgres/public/events", "snowflake/public/events"}
+    jobs = {job.name for job in defs.resolve_all_job_defs() if job.name.startswith("stream_")}
+    assert jobs == {"stream_clickhouse_notes", "stream_snowflake_notes", "stream_snowflake_events"}
