@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _drop_target_table(config: SiphonConfig, spec: TableSpec, target: str) -> int:
     if target not in spec.targets:
-        print(f"siphon-dagster: target {target} is not configured (targets: {', '.join(spec.targets)})",
-              file=sys.stderr)
+        print(f"siphon-dagster: {spec.qualified_name} is not replicated to target {target} (its targets: "
+              f"{', '.join(spec.targets)})", file=sys.stderr)
         return 2
     destination = build_target(target, config)
     try:
