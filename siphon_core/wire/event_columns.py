@@ -270,6 +270,71 @@ def _row_tuple(data, pos, end, previous_start, previous_length):  # pragma: no c
     return start, length
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _event(data, pos, stop):  # pragma: no cover - compiled
+    """The fields of the serialized Event in data[pos:stop]: (ok, operation, commit LSN, position,
+    commit time, has new row, its tuple's start and length, has old row, its tuple's start and
+    length, old row is full, old row is key); ok is False for anything the generated classes
+    would read otherwise (a known field in another wire type, a malformed row)."""
+    operation, lsn, position, time = np.int64(0), np.uint64(0), np.int64(0), np.int64(0)
+    has_new, new_start, new_length = False, np.int64(0), np.int64(0)
+    has_old, old_start, old_length = False, np.int64(0), np.int64(0)
+    old_full, old_key = False, False
+    ok = False
+    while pos < stop:
+        tag, pos = _varint(data, pos, stop)
+        if pos < 0:
+            break
+        field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
+        if wire == 0 and 1 <= field <= 9 and field != 6 and field != 7:
+            value, pos = _varint(data, pos, stop)
+            if pos < 0:
+                break
+            if field == 1:
+                operation = np.int64(np.int32(value & np.uint64(0xFFFFFFFF)))  # enum: int32
+            elif field == 3:
+                lsn = value
+            elif field == 4:
+                position = np.int64(value & np.uint64(0xFFFFFFFF))  # uint32
+            elif field == 5:
+                time = np.int64(value)  # int64: two's complement
+            elif field == 8:
+                old_full = value != np.uint64(0)
+            elif field == 9:
+                old_key = value != np.uint64(0)
+        elif wire == 2 and (field == 6 or field == 7):
+            length, pos = _varint(data, pos, stop)
+            if pos < 0 or length > np.uint64(stop - pos):
+                pos = -1
+                break
+            row_end = pos + np.int64(length)
+            # A Row sent twice merges: one without a tuple keeps the tuple before it.
+            if field == 6:
+                new_start, new_length = _row_tuple(data, pos, row_end, new_start, new_length)
+                has_new = True
+                if new_start < 0:
+                    pos = -1
+                    break
+            else:
+                old_start, old_length = _row_tuple(data, pos, row_end, old_start, old_length)
+                has_old = True
+                if old_start < 0:
+                    pos = -1
+                    break
+            pos = row_end
+        elif 1 <= field <= 9:
+            pos = -1  # a known field in an unexpected wire type: left to the generated classes
+            break
+        else:
+            pos = _skip(data, pos, stop, wire)
+            if pos < 0:
+                break
+    else:
+        ok = pos == stop
+    return (ok, operation, lsn, position, time, has_new, new_start, new_length, has_old, old_start, old_length,
+            old_full, old_key)
+
+
 @numba.njit(cache=True, nogil=True)
 def _read_events(data, operations, commit_lsns, positions, commit_times, has_new, new_starts, new_lengths,
                  has_old, old_starts, old_lengths, old_is_full, old_is_key, event_starts,
@@ -292,51 +357,12 @@ def _read_events(data, operations, commit_lsns, positions, commit_times, has_new
             return False
         stop = pos + np.int64(size)
         event_starts[index], event_lengths[index] = pos, np.int64(size)
-        while pos < stop:
-            tag, pos = _varint(data, pos, stop)
-            if pos < 0:
-                return False
-            field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
-            if wire == 0 and 1 <= field <= 9 and field != 6 and field != 7:
-                value, pos = _varint(data, pos, stop)
-                if pos < 0:
-                    return False
-                if field == 1:
-                    operations[index] = np.int64(np.int32(value & np.uint64(0xFFFFFFFF)))  # enum: int32
-                elif field == 3:
-                    commit_lsns[index] = value
-                elif field == 4:
-                    positions[index] = np.int64(value & np.uint64(0xFFFFFFFF))  # uint32
-                elif field == 5:
-                    commit_times[index] = np.int64(value)  # int64: two's complement
-                elif field == 8:
-                    old_is_full[index] = value != np.uint64(0)
-                elif field == 9:
-                    old_is_key[index] = value != np.uint64(0)
-            elif wire == 2 and (field == 6 or field == 7):
-                length, pos = _varint(data, pos, stop)
-                if pos < 0 or length > np.uint64(stop - pos):
-                    return False
-                row_end = pos + np.int64(length)
-                if field == 6:
-                    start, got = _row_tuple(data, pos, row_end, new_starts[index], new_lengths[index])
-                    has_new[index] = True
-                    new_starts[index], new_lengths[index] = start, got
-                else:
-                    start, got = _row_tuple(data, pos, row_end, old_starts[index], old_lengths[index])
-                    has_old[index] = True
-                    old_starts[index], old_lengths[index] = start, got
-                if start < 0:
-                    return False
-                pos = row_end
-            elif 1 <= field <= 9:
-                return False  # a known field in an unexpected wire type: left to the generated classes
-            else:
-                pos = _skip(data, pos, stop, wire)
-                if pos < 0:
-                    return False
-        if pos != stop:
+        (ok, operations[index], commit_lsns[index], positions[index], commit_times[index], has_new[index],
+         new_starts[index], new_lengths[index], has_old[index], old_starts[index], old_lengths[index],
+         old_is_full[index], old_is_key[index]) = _event(data, pos, stop)
+        if not ok:
             return False
+        pos = stop
         index += 1
     return index == operations.shape[0]
 
@@ -368,44 +394,10 @@ def _summarize(data, counts, figures):  # pragma: no cover - compiled
         if pos < 0 or size > np.uint64(end - pos):
             return None
         stop = pos + np.int64(size)
-        operation = np.int64(0)
-        lsn = np.uint64(0)
-        position = np.int64(0)
-        time = np.int64(0)
-        while pos < stop:
-            tag, pos = _varint(data, pos, stop)
-            if pos < 0:
-                return None
-            field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
-            if wire == 0 and 1 <= field <= 9 and field != 6 and field != 7:
-                value, pos = _varint(data, pos, stop)
-                if pos < 0:
-                    return None
-                if field == 1:
-                    operation = np.int64(np.int32(value & np.uint64(0xFFFFFFFF)))
-                elif field == 3:
-                    lsn = value
-                elif field == 4:
-                    position = np.int64(value & np.uint64(0xFFFFFFFF))
-                elif field == 5:
-                    time = np.int64(value)
-            elif wire == 2 and (field == 6 or field == 7):
-                length, pos = _varint(data, pos, stop)
-                if pos < 0 or length > np.uint64(stop - pos):
-                    return None
-                row_end = pos + np.int64(length)
-                tuple_start, _ = _row_tuple(data, pos, row_end, 0, 0)
-                if tuple_start < 0:
-                    return None
-                pos = row_end
-            elif 1 <= field <= 9:
-                return None
-            else:
-                pos = _skip(data, pos, stop, wire)
-                if pos < 0:
-                    return None
-        if pos != stop:
+        ok, operation, lsn, position, time = _event(data, pos, stop)[:5]
+        if not ok:
             return None
+        pos = stop
         counts[operation if 0 <= operation < 15 else 15] += 1
         if count == 0:
             figures[1] = np.int64(lsn)

@@ -118,12 +118,18 @@ def test_streaming_sensor_does_not_start_a_duplicate(config):
         assert result.run_requests == []
 
 
-def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
-    defs = build_definitions(config)
+def gone_worker_identity() -> str:
+    """The identity of a process that has exited, taken while it ran, as a run tags itself."""
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    gone = worker_identity(worker.pid)  # taken while it runs, as a streaming run tags itself
+    identity = worker_identity(worker.pid)
     worker.kill()
     worker.wait()
+    return identity
+
+
+def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
+    defs = build_definitions(config)
+    gone = gone_worker_identity()
     with dg.instance_for_test() as instance:
         dead = create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED,
                                    tags={WORKER_TAG: gone})
@@ -134,10 +140,7 @@ def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
 
 def test_a_run_whose_worker_went_while_it_was_being_canceled_is_marked_canceled_not_failed(config):
     defs = build_definitions(config)
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    gone = worker_identity(worker.pid)
-    worker.kill()
-    worker.wait()
+    gone = gone_worker_identity()
     with dg.instance_for_test() as instance:
         canceling = create_run_for_test(instance, job_name=streaming_job_name(config),
                                         status=dg.DagsterRunStatus.CANCELING, tags={WORKER_TAG: gone})
@@ -236,10 +239,7 @@ def test_streaming_sensor_records_the_pending_count(config):
 
 def test_partitions_sensor_fails_a_snapshot_run_whose_worker_is_gone_and_keeps_a_live_one(config):
     defs = build_definitions(config)
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    gone = worker_identity(worker.pid)
-    worker.kill()
-    worker.wait()
+    gone = gone_worker_identity()
     with dg.instance_for_test() as instance:
         dead = create_run_for_test(instance, job_name="__ASSET_JOB", status=dg.DagsterRunStatus.STARTED,
                                    tags={WORKER_TAG: gone, SNAPSHOT_RUN_TAG: "true"})
