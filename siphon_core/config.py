@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-APPLICATION_IDENTIFIER = re.compile(r"^[A-Za-z0-9_.-]+$")
+APPLICATION_IDENTIFIER = re.compile(r"[A-Za-z0-9_.-]+")
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -186,7 +186,7 @@ class SiphonConfig(_Model):
     @field_validator("application_identifier")
     @classmethod
     def _identifier(cls, value: str) -> str:
-        if not APPLICATION_IDENTIFIER.match(value):
+        if not APPLICATION_IDENTIFIER.fullmatch(value):  # `$` would let a trailing newline through
             raise ValueError(f"'{value}' may contain only letters, digits, '_', '.' and '-'")
         return value
 

@@ -17,6 +17,13 @@ def escape_subject_token(identifier: str) -> str:
     return escaped or "%"
 
 
+def application_of_subject(subject: str) -> str:
+    """The application identifier a `siphon.<application>.>` subject was made from."""
+    token = subject.split(".")[1] if subject.count(".") >= 1 else subject
+    return re.sub(r"(%[0-9A-F]{2})+", lambda m: bytes.fromhex(m.group(0).replace("%", "")).decode(errors="replace"),
+                  token)
+
+
 def stream_name(application_identifier: str) -> str:
     return "SIPHON_" + _NON_ALNUM.sub("_", application_identifier).upper()
 

@@ -74,10 +74,21 @@ class JetStreamQueue:
             discard=DiscardPolicy.OLD,
         )
         try:
-            await self.js.stream_info(config.name)
-            await self.js.update_stream(config)
+            info = await self.js.stream_info(config.name)
         except NotFoundError:
             await self.js.add_stream(config)
+            return
+        ours = naming.subject_prefix(self.settings.application_identifier) + ".>"
+        theirs = list(info.config.subjects or [])
+        if theirs and theirs[0] != ours:
+            # Identifiers that differ only in punctuation (`a.b.1`, `a_b_1`) share a stream name;
+            # rewriting the other application's subjects would cut its producer off.
+            raise QueueError(
+                f"JetStream stream {config.name} belongs to application "
+                f"{naming.application_of_subject(theirs[0])!r} (subjects {theirs[0]}), whose name collides with "
+                f"{self.settings.application_identifier!r}; choose an application_identifier that differs in "
+                "letters or digits")
+        await self.js.update_stream(config)
 
     async def publish(self, subject: str, payload: bytes, message_id: str, timeout: float = 30.0) -> int:
         """Publishes and waits for the stream's ack; returns the stream sequence."""

@@ -37,10 +37,25 @@ def decode_package(data: bytes, where: str = "message") -> pb.Package:
     return parse_package(decompress_package(data, where), where)
 
 
-def decompress_package(data: bytes, where: str = "message") -> bytes:
-    """The serialized package inside a message."""
+def decompress_package(data: bytes, where: str = "message", max_bytes: int | None = None) -> bytes:
+    """The serialized package inside a message; more than `max_bytes` of it is refused before it
+    is produced (a few kilobytes of zstd can claim, or expand to, gigabytes)."""
     try:
-        return _decompressor().decompress(data)
+        if max_bytes is None:
+            return _decompressor().decompress(data)
+        declared = zstandard.frame_content_size(data)
+        if declared > max_bytes:
+            raise PackageError(f"{where}: the package would decompress to {declared:,} bytes, more than the "
+                               f"{max_bytes:,} bytes any producer writes")
+        if declared >= 0:
+            return _decompressor().decompress(data)
+        # No declared size: read at most one byte past the limit, never the whole expansion.
+        with _decompressor().stream_reader(data) as reader:
+            serialized = reader.read(max_bytes + 1)
+        if len(serialized) > max_bytes:
+            raise PackageError(f"{where}: the package decompresses to more than the {max_bytes:,} bytes any "
+                               "producer writes")
+        return serialized
     except zstandard.ZstdError as error:
         raise PackageError(f"{where}: not a zstd-compressed package ({error})") from None
 

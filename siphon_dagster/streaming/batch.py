@@ -21,7 +21,7 @@ from siphon_core.wire.event_columns import (
     summarize_events,
     summarize_package,
 )
-from siphon_core.wire.packages import ChunkReassembler, decompress_package, encode_package
+from siphon_core.wire.packages import ChunkReassembler, PackageError, decompress_package, encode_package
 
 OPERATION_NAMES = {pb.INSERT: "insert", pb.UPDATE: "update", pb.DELETE: "delete", pb.TRUNCATE: "truncate",
                    pb.SNAPSHOT: "snapshot"}
@@ -74,10 +74,51 @@ def _detached(column: pb.Column) -> pb.Column:
     return copy
 
 
+# A producer cuts packages below the queue's message limit; anything that expands past this many
+# times that limit is no package of ours, whatever its few compressed bytes claim.
+MAX_EXPANSION_OF_MESSAGE_LIMIT = 4
+_VALID_OPERATIONS = frozenset(OPERATION_NAMES)
+
+
+def check_package(package: pb.Package, summary: PackageSummary, schema: str | None, table: str | None,
+                  where: str) -> None:
+    """Refuses, as a bad message, what no producer writes: a package of another table, without
+    columns, primary key or events, or with events of no known operation. Such a message must go
+    through the table's `on_error` (dead-letter or stop), never be taken for a schema change."""
+    if not package.columns and not package.HasField("chunk") and summary.event_count == 0:
+        raise PackageError(f"{where}: an empty package (without columns or events)")
+    if schema is not None and (package.schema, package.table) != (schema, table):
+        raise PackageError(f"{where}: a package of table {package.schema!r}.{package.table!r} on the subject of "
+                           f"{schema}.{table}")
+    names = [c.name for c in package.columns]
+    if not names:
+        raise PackageError(f"{where}: a package without columns")
+    if len(set(names)) != len(names):
+        raise PackageError(f"{where}: a package whose columns repeat a name ({names})")
+    if not any(c.primary_key for c in package.columns):
+        raise PackageError(f"{where}: a package whose columns name no primary key")
+    if package.HasField("chunk"):
+        if package.chunk.count < 1 or package.chunk.index >= package.chunk.count or not package.event_chunk:
+            raise PackageError(f"{where}: an event slice {package.chunk.index} of {package.chunk.count} "
+                               f"with {len(package.event_chunk)} bytes")
+        return
+    if summary.event_count == 0:
+        raise PackageError(f"{where}: a package without events")
+    unknown = {op for op in summary.operation_counts if op not in _VALID_OPERATIONS}
+    if unknown:
+        raise PackageError(f"{where}: events with unknown operations {sorted(unknown)}")
+
+
 @dataclass
 class PackageAssembler:
-    """Turns messages, in stream order, into whole packages; slices wait for their last slice."""
+    """Turns messages, in stream order, into whole packages; slices wait for their last slice.
 
+    With `schema` and `table` set, every message must be a valid package of that table
+    (`check_package`); `max_package_bytes` bounds what one message may decompress to."""
+
+    schema: str | None = None
+    table: str | None = None
+    max_package_bytes: int | None = None
     _reassembler: ChunkReassembler = field(default_factory=ChunkReassembler)
     _slices: list[int] = field(default_factory=list)  # stream sequences of the sliced event in progress
     _abandoned: list[int] = field(default_factory=list)
@@ -85,7 +126,8 @@ class PackageAssembler:
     def accept(self, sequence: int, data: bytes) -> ReceivedPackage | None:
         """Raises siphon_core.wire.packages.PackageError for a message that is not a package."""
         where = f"stream sequence {sequence}"
-        package, summary = summarize_package(decompress_package(data, where), where)
+        package, summary = summarize_package(decompress_package(data, where, self.max_package_bytes), where)
+        check_package(package, summary, self.schema, self.table, where)
         if not package.HasField("chunk"):
             return describe(package, (sequence,), data, summary)
         if package.chunk.index != len(self._slices):

@@ -35,7 +35,7 @@ from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue
 from siphon_core.wire.packages import PackageError
 from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier, PreparedBatch
-from siphon_dagster.streaming.batch import PackageAssembler, ReceivedPackage
+from siphon_dagster.streaming.batch import MAX_EXPANSION_OF_MESSAGE_LIMIT, PackageAssembler, ReceivedPackage
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.strategy import ErrorStrategy, RetryPolicy, StreamApplyError
@@ -64,7 +64,9 @@ class StreamConsumer:
             table.on_error, queue, self.applier, retry or RetryPolicy(),
             dead_letter_subject=naming.dead_letter_subject(application, table.schema_name, table.table_name),
             durable=self.durable)
-        self._assembler = PackageAssembler()
+        self._assembler = PackageAssembler(
+            table.schema_name, table.table_name,
+            max_package_bytes=MAX_EXPANSION_OF_MESSAGE_LIMIT * queue.settings.max_message_bytes)
         self._held: dict[int, Msg] = {}  # slices of an event whose last slice has not arrived
         self._unacked: dict[int, Msg] = {}  # every message pulled and not yet acked, by id()
         self.progress_interval_seconds: float | None = None  # None: a third of the consumer's ack wait

@@ -16,6 +16,7 @@ import nats
 import psycopg
 import pyarrow as pa
 import pytest
+import zstandard
 from psycopg import sql
 from pyspark.sql import SparkSession
 
@@ -229,6 +230,34 @@ def test_dead_letter_moves_bad_messages_aside_and_goes_on(request: pytest.Fixtur
     assert sorted(letters) == [sequences[1], sequences[2]]
     assert "not a zstd-compressed package" in letters[sequences[1]]
     assert reports[-1].pending == 0
+    target.close()
+
+
+def test_hostile_messages_are_dead_lettered_never_taken_for_a_schema_change(
+        request: pytest.FixtureRequest, nats_url: str, spark: SparkSession, unique_name: str) -> None:
+    target = make_target(request, "clickhouse", unique_name)
+    hostile = [
+        zstandard.ZstdCompressor().compress(b""),  # 9 bytes: an empty package
+        zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (64 << 20)),  # expands to 64 MB
+        encode_package(pb.Package(schema="public", table="notes", events=[insert(0x105, "9", "x", "9")])),  # no columns
+    ]
+    sequences = publish(nats_url, unique_name, [package([insert(0x100, "1", "a", "1")]), *hostile,
+                                                 package([insert(0x110, "3", "c", "3")])])
+    reports: list[BatchReport] = []
+    consumer(nats_url, unique_name, target, spark, on_error="dead_letter").run(stop_when_drained=True,
+                                                                             on_batch=reports.append)
+    assert target.current_rows_as_text(notes_schema()) == [("1", "a", "1"), ("3", "c", "3")]
+    letters = dict(dead_letters(nats_url, unique_name))
+    assert sorted(letters) == sequences[1:4]
+    assert "an empty package" in letters[sequences[1]]
+    assert "decompresses to more than" in letters[sequences[2]]
+    assert "without columns" in letters[sequences[3]]
+    # Under on_error: stop the table stops on the bad message itself, with no advice to rebuild it.
+    bad = publish(nats_url, unique_name, hostile[:1], table="other")
+    with pytest.raises(StreamApplyError, match=rf"stream sequence {bad[0]} is not a Siphon package .*empty package") \
+            as raised:
+        consumer(nats_url, unique_name, target, spark, table="public.other").run(stop_when_drained=True)
+    assert "primary key" not in str(raised.value) and "drop" not in str(raised.value)
     target.close()
 
 

@@ -60,6 +60,7 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
     ("change", "expected"),
     [
         ({"application_identifier": "dev main"}, "application_identifier: Value error, 'dev main' may contain only"),
+        ({"application_identifier": "dev.main.1\n"}, "application_identifier: Value error, 'dev.main.1\n' may contain"),
         ({"tables": [{"name": "notes"}]}, "tables[0] (notes).name: Value error, 'notes' must be schema-qualified"),
         ({"tables": [{"name": "public.a"}, {"name": "public.b", "blocks_per_partition": 0}]},
          "tables[1] (public.b).blocks_per_partition: Input should be greater than or equal to 1"),

@@ -55,3 +55,8 @@ def test_advisory_lock_key_is_a_signed_64_bit_integer():
     key = naming.advisory_lock_key("dev.main.1")
     assert -(2**63) <= key < 2**63
     assert key == naming.advisory_lock_key("dev.main.1") != naming.advisory_lock_key("dev.main.2")
+
+
+def test_the_application_of_a_subject_is_the_identifier_it_was_made_from() -> None:
+    for identifier in ("dev.main.1", "probe_app_1", "a-b", "x%y"):
+        assert naming.application_of_subject(naming.subject_prefix(identifier) + ".>") == identifier
