@@ -35,7 +35,7 @@ from producer_service.pgoutput import messages as m
 from producer_service.pgoutput.decoders import PgoutputError, decode_message
 from producer_service.progress import ProgressTracker
 from producer_service.relations import RelationInfo
-from producer_service.replication import XLOG_PAYLOAD_START
+from siphon_core.replication import XLOG_PAYLOAD_START
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.tuple_data import project_tuple, tuple_end
 

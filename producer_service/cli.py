@@ -13,11 +13,11 @@ import psycopg
 from producer_service.metrics import EndpointError
 from producer_service.ownership import LockHeldError
 from producer_service.publication import SourceSetupError
-from producer_service.replication import ReplicationError
 from producer_service.service import ProducerService
 from siphon_core import logs
 from siphon_core.config import ConfigError, SiphonConfig, load_config
 from siphon_core.queue import QueueError
+from siphon_core.replication import ReplicationError
 
 log = logs.get_logger("producer")
 

@@ -168,11 +168,6 @@ class Packager:
             if buffer.events:
                 self.cut(buffer)
 
-    def forget(self, relation_id: int) -> None:
-        buffer = self._buffers.pop(relation_id, None)
-        if buffer is not None and buffer.events:
-            self.cut(buffer)
-
     @property
     def buffered_events(self) -> int:
         return sum(len(b.events) for b in self._buffers.values())
@@ -180,9 +175,6 @@ class Packager:
     @property
     def buffered_bytes(self) -> int:
         return sum(b.bytes for b in self._buffers.values())
-
-    def buffered_events_by_table(self) -> dict[str, int]:
-        return {b.relation.qualified_name: len(b.events) for b in self._buffers.values()}
 
     def _envelope(self, relation: RelationInfo, **fields: Any) -> pb.Package:
         sequence = self._sequence.get(relation.relation_id, 0)

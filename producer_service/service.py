@@ -26,11 +26,11 @@ from producer_service.progress import ProgressTracker
 from producer_service.publication import check_replica_identities, ensure_publication, ensure_slot
 from producer_service.publisher import Publisher
 from producer_service.relations import RelationCatalog, RelationInfo
-from producer_service.replication import ReplicationConnection
 from siphon_core import naming
 from siphon_core.config import SiphonConfig
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue, QueueError, StreamSettings
+from siphon_core.replication import ReplicationConnection
 
 PRODUCER_VERSION = "0.1.0"
 HEARTBEAT_PREFIX = "siphon.heartbeat"

@@ -69,8 +69,3 @@ jetstream {{
     @staticmethod
     def stop(pid: int) -> None:
         stop_pid(pid)
-
-
-def ensure_jetstream_ready(url: str) -> None:
-    if not url:
-        raise StackError("no NATS url")

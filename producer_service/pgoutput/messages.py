@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 # pgoutput counts time from 2000-01-01 (PostgreSQL's epoch).
-POSTGRES_EPOCH_OFFSET_US = 946_684_800_000_000
+from siphon_core.replication import POSTGRES_EPOCH_OFFSET_US  # noqa: F401  (re-exported for the decoders)
 
 KEY_COLUMN_FLAG = 1
 TRUNCATE_CASCADE = 1

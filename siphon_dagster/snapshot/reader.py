@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
-from producer_service.replication import ReplicationConnection, ReplicationError, SlotInfo
 from siphon_core.logs import get_logger
+from siphon_core.replication import ReplicationConnection, ReplicationError, SlotInfo
 from siphon_dagster.partitions import BlockRange
 from siphon_dagster.source import connect
 from siphon_dagster.targets.base import TableSchema

@@ -55,7 +55,7 @@ from siphon_dagster.streaming.decode import (
     locate_changes,
 )
 from siphon_dagster.streaming.fold import latest_indices, merge_pieces, with_version
-from siphon_dagster.streaming.spark_session import decode_slices, is_remote
+from siphon_dagster.streaming.spark_facts import decode_slices, is_remote
 
 BLOB_DDL = "_blob binary, _path string"
 PACKAGES_FILE = "packages"  # in a job's result directory: the payloads of its packages

@@ -21,6 +21,7 @@ from pyspark.sql import SparkSession
 
 from siphon_core.config import SparkConfig
 from siphon_core.logs import get_logger
+from siphon_dagster.streaming.spark_plan import warm_up
 
 REMOTE_ENVIRONMENT_VARIABLE = "SIPHON_SPARK_REMOTE"
 # Waits of 0.05, 0.2, 0.8, 3.2 and 12.8 s, then 15 s: about two minutes in all.
@@ -77,8 +78,6 @@ def get_spark_session(config: SparkConfig | None = None) -> SparkSession:
         started = time.perf_counter()
         remote = remote_url(config)
         _session = _connect(remote, config) if remote else _start_driver(config)
-        from siphon_dagster.streaming.spark_plan import warm_up  # it builds on this module
-
         warm_up(_session)
         _log.info("spark session ready", mode="connect" if remote else config.master,
                   seconds=round(time.perf_counter() - started, 2))
@@ -91,20 +90,6 @@ def stop_spark_session() -> None:
         if _session is not None:
             _session.stop()
             _session = None
-
-
-def is_remote(spark: SparkSession) -> bool:
-    """A Spark Connect session (its DataFrames have no RDD side)."""
-    return type(spark).__module__.startswith("pyspark.sql.connect")
-
-
-def decode_slices(spark: SparkSession) -> int:
-    """Tasks a micro-batch's decode is spread over: the driver's default parallelism (cores in local
-    mode), or on Spark Connect the server's `spark.sql.shuffle.partitions`, which its operator sets
-    to the cores runs should share."""
-    if is_remote(spark):
-        return int(spark.conf.get("spark.sql.shuffle.partitions") or 2)
-    return max(1, spark.sparkContext.defaultParallelism)
 
 
 def _start_driver(config: SparkConfig) -> SparkSession:

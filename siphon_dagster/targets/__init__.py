@@ -24,9 +24,4 @@ def build_target(name: str, config: SiphonConfig) -> Target:
     )
 
 
-def build_targets(config: SiphonConfig) -> list[Target]:
-    """Every configured target, ClickHouse first; connections open lazily on first use."""
-    return [build_target(name, config) for name in config.targets.configured()]
-
-
-__all__ = ["Target", "TargetError", "build_target", "build_targets"]
+__all__ = ["Target", "TargetError", "build_target"]

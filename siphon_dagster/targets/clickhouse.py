@@ -204,9 +204,6 @@ class ClickHouseTarget:
         finally:
             self._command(names, "dropping a staging table", f"DROP TABLE IF EXISTS {stage}")
 
-    def _staged_count(self, names: sql.TableNames, stage: str) -> int:
-        return int(self._rows(names, "counting staged rows", f"SELECT count() FROM {stage}")[0][0])
-
     def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
         if rows.num_rows == 0:
             return 0

@@ -13,8 +13,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from producer_service.pgoutput import Begin, Commit, Insert, MessageDecoder, PgoutputMessage, Relation, Update
-from producer_service.replication import Keepalive, ReplicationConnection, ReplicationError, XLogData
 from siphon_core.naming import parse_lsn
+from siphon_core.replication import Keepalive, ReplicationConnection, ReplicationError, XLogData
 from siphon_core.wire.tuple_data import decode_tuple
 from tests.fixtures import capture_pgoutput
 

@@ -40,9 +40,9 @@ import pyarrow as pa
 import pytest
 from psycopg import sql
 
-from producer_service.replication import SlotInfo
 from siphon_core import naming
 from siphon_core.config import ClickHouseTargetConfig, TableConfig
+from siphon_core.replication import SlotInfo
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_dagster import source
 from siphon_dagster.partitions import BlockRange

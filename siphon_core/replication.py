@@ -24,9 +24,11 @@ from typing import NamedTuple
 from psycopg import OperationalError, pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from producer_service.pgoutput.messages import POSTGRES_EPOCH_OFFSET_US
 from siphon_core.naming import format_lsn, parse_lsn
 from siphon_core.session import PINNED_SETTINGS
+
+# PostgreSQL's timestamps count microseconds from 2000-01-01; Unix time from 1970-01-01.
+POSTGRES_EPOCH_OFFSET_US = 946_684_800_000_000
 
 # English server messages when the role may set them (superuser only); otherwise the server's default.
 _MESSAGES_SETTING = "lc_messages"
