@@ -14,15 +14,18 @@ leaves out zeros), 6 new_row and 7 old_row (a `Row` whose field 1 holds the Tupl
 
 from __future__ import annotations
 
+from siphon_core.wire import fields
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.tuple_data import Buffer
 
-# Tags: (field number << 3) | wire type (0 varint, 2 length-delimited).
-_OPERATION, _XID, _COMMIT_LSN, _POSITION, _COMMIT_TIME = b"\x08", b"\x10", b"\x18", b"\x20", b"\x28"
-_NEW_ROW, _OLD_ROW = b"\x32", b"\x3a"
-_OLD_FULL, _OLD_KEY = b"\x40\x01", b"\x48\x01"
-_ROW_TUPLE = b"\x0a"
-PACKAGE_EVENT_TAG = b"\x32"  # Package.events, field 6
+# Tags come from the generated descriptors (siphon_core.wire.fields); a bool field set to true is
+# its tag and the byte 1.
+_OPERATION, _XID, _COMMIT_LSN = fields.EVENT_OPERATION_TAG, fields.EVENT_XID_TAG, fields.EVENT_COMMIT_LSN_TAG
+_POSITION, _COMMIT_TIME = fields.EVENT_POSITION_TAG, fields.EVENT_COMMIT_TIME_TAG
+_NEW_ROW, _OLD_ROW = fields.EVENT_NEW_ROW_TAG, fields.EVENT_OLD_ROW_TAG
+_OLD_FULL, _OLD_KEY = fields.EVENT_OLD_IS_FULL_TAG + b"\x01", fields.EVENT_OLD_IS_KEY_TAG + b"\x01"
+_ROW_TUPLE = fields.ROW_TUPLE_TAG
+PACKAGE_EVENT_TAG = fields.PACKAGE_EVENTS_TAG
 
 _UINT64 = (1 << 64) - 1
 

@@ -21,6 +21,7 @@ import numba
 import numpy as np
 import pyarrow as pa
 
+from siphon_core.wire import fields
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import parse_package
 
@@ -30,11 +31,15 @@ UNKNOWN_OPERATION = -1  # the key of those in PackageSummary.operation_counts
 # Slots of a summary's figures.
 _FIGURES = 9
 _COUNT, _FIRST_LSN, _LAST_LSN, _FIRST_TIME, _LAST_TIME, _HAS_TRUNCATE, _TRUNCATE_LSN, _TRUNCATE_POSITION = range(8)
-# Field numbers of proto/siphon.proto.
-_PACKAGE_EVENTS = 6
-_EVENT_OPERATION, _EVENT_COMMIT_LSN, _EVENT_POSITION, _EVENT_COMMIT_TIME = 1, 3, 4, 5
-_EVENT_NEW_ROW, _EVENT_OLD_ROW, _EVENT_OLD_IS_FULL, _EVENT_OLD_IS_KEY = 6, 7, 8, 9
-_ROW_TUPLE = 1
+# Field numbers of proto/siphon.proto, from the generated descriptors (the compiled walks read them
+# as constants).
+_PACKAGE_EVENTS = fields.PACKAGE_EVENTS
+_EVENT_OPERATION, _EVENT_COMMIT_LSN = fields.EVENT_OPERATION, fields.EVENT_COMMIT_LSN
+_EVENT_POSITION, _EVENT_COMMIT_TIME = fields.EVENT_POSITION, fields.EVENT_COMMIT_TIME
+_EVENT_NEW_ROW, _EVENT_OLD_ROW = fields.EVENT_NEW_ROW, fields.EVENT_OLD_ROW
+_EVENT_OLD_IS_FULL, _EVENT_OLD_IS_KEY = fields.EVENT_OLD_IS_FULL, fields.EVENT_OLD_IS_KEY
+_ROW_TUPLE = fields.ROW_TUPLE
+_EVENT_FIRST_FIELD, _EVENT_LAST_FIELD = fields.EVENT_FIELD_RANGE
 
 
 @dataclass(frozen=True)
@@ -257,7 +262,7 @@ def _row_tuple(data, pos, end, previous_start, previous_length):  # pragma: no c
         if pos < 0:
             return -1, 0
         field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
-        if field == 1 and wire == 2:
+        if field == _ROW_TUPLE and wire == 2:
             size, pos = _varint(data, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
                 return -1, 0
@@ -286,30 +291,31 @@ def _event(data, pos, stop):  # pragma: no cover - compiled
         if pos < 0:
             break
         field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
-        if wire == 0 and 1 <= field <= 9 and field != 6 and field != 7:
+        if (wire == 0 and _EVENT_FIRST_FIELD <= field <= _EVENT_LAST_FIELD and field != _EVENT_NEW_ROW
+                and field != _EVENT_OLD_ROW):
             value, pos = _varint(data, pos, stop)
             if pos < 0:
                 break
-            if field == 1:
+            if field == _EVENT_OPERATION:
                 operation = np.int64(np.int32(value & np.uint64(0xFFFFFFFF)))  # enum: int32
-            elif field == 3:
+            elif field == _EVENT_COMMIT_LSN:
                 lsn = value
-            elif field == 4:
+            elif field == _EVENT_POSITION:
                 position = np.int64(value & np.uint64(0xFFFFFFFF))  # uint32
-            elif field == 5:
+            elif field == _EVENT_COMMIT_TIME:
                 time = np.int64(value)  # int64: two's complement
-            elif field == 8:
+            elif field == _EVENT_OLD_IS_FULL:
                 old_full = value != np.uint64(0)
-            elif field == 9:
+            elif field == _EVENT_OLD_IS_KEY:
                 old_key = value != np.uint64(0)
-        elif wire == 2 and (field == 6 or field == 7):
+        elif wire == 2 and (field == _EVENT_NEW_ROW or field == _EVENT_OLD_ROW):  # noqa: SIM109 (numba)
             length, pos = _varint(data, pos, stop)
             if pos < 0 or length > np.uint64(stop - pos):
                 pos = -1
                 break
             row_end = pos + np.int64(length)
             # A Row sent twice merges: one without a tuple keeps the tuple before it.
-            if field == 6:
+            if field == _EVENT_NEW_ROW:
                 new_start, new_length = _row_tuple(data, pos, row_end, new_start, new_length)
                 has_new = True
                 if new_start < 0:
@@ -322,7 +328,7 @@ def _event(data, pos, stop):  # pragma: no cover - compiled
                     pos = -1
                     break
             pos = row_end
-        elif 1 <= field <= 9:
+        elif _EVENT_FIRST_FIELD <= field <= _EVENT_LAST_FIELD:
             pos = -1  # a known field in an unexpected wire type: left to the generated classes
             break
         else:
@@ -347,7 +353,7 @@ def _read_events(data, operations, commit_lsns, positions, commit_times, has_new
         if pos < 0:
             return False
         field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
-        if not (field == 6 and wire == 2):
+        if not (field == _PACKAGE_EVENTS and wire == 2):
             pos = _skip(data, pos, end, wire)
             if pos < 0:
                 return False
@@ -383,7 +389,7 @@ def _summarize(data, counts, figures):  # pragma: no cover - compiled
         if pos < 0:
             return None
         field, wire = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
-        if not (field == 6 and wire == 2):
+        if not (field == _PACKAGE_EVENTS and wire == 2):
             pos = _skip(data, pos, end, wire)
             if pos < 0:
                 return None
