@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 APPLICATION_IDENTIFIER = re.compile(r"[A-Za-z0-9_.-]+")
@@ -34,6 +35,20 @@ class SourceConfig(_Model):
     # released when the COPY ends (siphon_dagster.snapshot.spool); None is the system's temp dir.
     snapshot_spool_directory: str | None = None
     snapshot_spool_max_bytes: int = Field(default=2 << 30, ge=0)
+
+    @field_validator("dsn", "snapshot_dsn")
+    @classmethod
+    def _readable_dsn(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            conninfo_to_dict(value)
+        except Exception:
+            # libpq's own message quotes the offending part, which may be the password.
+            raise ValueError("not a PostgreSQL connection string libpq can read; in a URL, a '%' (or '@', ':', "
+                             "'/') in the password must be percent-encoded ('%' as %25), or the password given "
+                             "in PGPASSWORD or a password= key") from None
+        return value
 
     @property
     def snapshot_or_primary_dsn(self) -> str:

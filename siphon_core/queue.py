@@ -15,6 +15,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy,
 from nats.js.errors import NotFoundError
 
 from siphon_core import naming
+from siphon_core.redaction import redact_url
 
 
 class QueueError(RuntimeError):
@@ -53,7 +54,7 @@ class JetStreamQueue:
                 max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
             )
         except Exception as error:  # nats-py raises several unrelated types here
-            raise QueueError(f"cannot connect to NATS at {self.url}: {error}") from None
+            raise QueueError(f"cannot connect to NATS at {redact_url(self.url)}: {error}") from None
         self._js = self._nc.jetstream(timeout=10.0)
 
     @property

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from siphon_core.config import ClickHouseTargetConfig
+from siphon_core.redaction import redact_url
 from siphon_dagster.targets import clickhouse_sql as sql
 from siphon_dagster.targets.base import (
     SchemaChange,
@@ -74,7 +75,7 @@ class ClickHouseTarget:
                 client.command(f"CREATE DATABASE IF NOT EXISTS {sql.quote(self.database)}")
             except Exception as error:  # connection errors come from urllib3 as well as the driver
                 raise TargetError(
-                    f"clickhouse: cannot reach {self.config.url} (database {self.database}): {error}; "
+                    f"clickhouse: cannot reach {redact_url(self.config.url)} (database {self.database}): {error}; "
                     "check targets.clickhouse.url in siphon.yaml and that the server is running"
                 ) from error
             self._client = client
