@@ -129,7 +129,7 @@ def psql_binary(bindir: Path) -> str | None:
 def snapshot_partition(destination: Destination, key: str) -> int:
     """The body of the partition asset (siphon_dagster.assets.build_target_asset), minus Dagster."""
     block_range = parse_key(key, destination.blocks_per_partition)
-    target = ClickHouseResource(url=destination.clickhouse_url, database=destination.database).open_target()
+    target = ClickHouseResource(settings={"url": destination.clickhouse_url, "database": destination.database}).open_target()
     progress = SnapshotProgress()
     try:
         with source.connect(destination.dsn, autocommit=True) as catalog:

@@ -13,7 +13,15 @@ from typing import Any
 
 import yaml
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 APPLICATION_IDENTIFIER = re.compile(r"[A-Za-z0-9_.-]+")
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -220,6 +228,27 @@ class SiphonConfig(_Model):
                                  "targets:")
         return self
 
+    _unexpanded: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def settings(self, section: str) -> dict[str, Any]:
+        """One section (`source`, `queue`, `targets.snowflake`, ...) as settings to hand to a process
+        that validates them again (a Dagster resource): every value as loaded, except that a string
+        written with `${VAR}` keeps the reference, so the secret it names is read from the
+        environment where it is used and never lands in Dagster's storage or UI."""
+        model: Any = self
+        raw: Any = self._unexpanded
+        for part in section.split("."):
+            model = getattr(model, part)
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        if model is None:
+            raise KeyError(f"{section} is not configured")
+        values = model.model_dump(by_alias=True, exclude_none=True)
+        if isinstance(raw, dict):
+            for key, value in raw.items():
+                if isinstance(value, str) and _ENV_REFERENCE.search(value) and key in values:
+                    values[key] = value
+        return values
+
     def table(self, name: str) -> TableConfig:
         for table in self.tables:
             if table.name == name:
@@ -269,7 +298,7 @@ def parse_config(raw: Any, source_name: str = "siphon.yaml") -> SiphonConfig:
         raise ConfigError(f"{source_name}: expected a mapping at the top level, got {type(raw).__name__}")
     expanded = _expand_environment(raw, source_name)
     try:
-        return SiphonConfig.model_validate(expanded)
+        config = SiphonConfig.model_validate(expanded)
     except ValidationError as error:
         lines = []
         for problem in error.errors():
@@ -279,6 +308,13 @@ def parse_config(raw: Any, source_name: str = "siphon.yaml") -> SiphonConfig:
                 message = "unknown key (misspelt, or not a setting of this section)"
             lines.append(f"{source_name}: {where}: {message}")
         raise ConfigError("\n".join(lines)) from None
+    config._unexpanded = raw
+    return config
+
+
+def expand_settings(settings: Any, where: str = "settings") -> Any:
+    """`${VAR}` references in settings (`SiphonConfig.settings`) replaced from the environment."""
+    return _expand_environment(settings, where)
 
 
 def load_config(path: str | os.PathLike[str]) -> SiphonConfig:

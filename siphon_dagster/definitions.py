@@ -19,26 +19,16 @@ from siphon_dagster.specs import group_name, table_specs
 
 
 def build_resources(config: SiphonConfig) -> dict[str, object]:
+    """Every resource from its section of the configuration, secrets as `${VAR}` references."""
     resources: dict[str, object] = {
-        "source": PostgresResource(dsn=config.source.dsn, snapshot_dsn=config.source.snapshot_dsn,
-                                   snapshot_spool_directory=config.source.snapshot_spool_directory,
-                                   snapshot_spool_max_bytes=config.source.snapshot_spool_max_bytes),
-        "queue": NatsResource(url=config.queue.url, application_identifier=config.application_identifier,
-                              duplicate_window_seconds=config.queue.duplicate_window_seconds,
-                              replicas=config.queue.replicas, max_message_bytes=config.queue.max_message_bytes),
-        "spark": SparkResource(master=config.spark.master, remote=config.spark.remote, conf=config.spark.conf),
+        "source": PostgresResource(settings=config.settings("source")),
+        "queue": NatsResource(settings=config.settings("queue"), application_identifier=config.application_identifier),
+        "spark": SparkResource(settings=config.settings("spark")),
     }
-    clickhouse = config.targets.clickhouse
-    if clickhouse is not None:
-        resources["clickhouse_target"] = ClickHouseResource(url=clickhouse.url, database=clickhouse.database,
-                                                            username=clickhouse.username,
-                                                            password=clickhouse.password)
-    snowflake = config.targets.snowflake
-    if snowflake is not None:
-        resources["snowflake_target"] = SnowflakeResource(
-            account=snowflake.account, user=snowflake.user, password=snowflake.password,
-            database=snowflake.database, schema_name=snowflake.schema_, warehouse=snowflake.warehouse,
-            role=snowflake.role, host=snowflake.host, port=snowflake.port, protocol=snowflake.protocol)
+    if config.targets.clickhouse is not None:
+        resources["clickhouse_target"] = ClickHouseResource(settings=config.settings("targets.clickhouse"))
+    if config.targets.snowflake is not None:
+        resources["snowflake_target"] = SnowflakeResource(settings=config.settings("targets.snowflake"))
     return resources
 
 

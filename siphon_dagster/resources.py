@@ -1,7 +1,11 @@
 """Dagster resources: the source PostgreSQL, the queue, the targets and Spark.
 
-Heavy clients are opened on use, never at import, so loading the code location stays cheap.
-Every target resource offers `open_target()`, the only way assets reach a target.
+Each resource holds one section of siphon.yaml as settings (`SiphonConfig.settings`) and builds the
+section's pydantic model from them where it is used: every setting and default is declared once,
+in siphon_core.config, and a value written as `${VAR}` travels as that reference, so Dagster's run
+storage, event log and UI hold the variable's name, never the secret. Heavy clients are opened on
+use, never at import, so loading the code location stays cheap. Every target resource offers
+`open_target()`, the only way assets reach a target.
 """
 
 from __future__ import annotations
@@ -11,87 +15,97 @@ from typing import Any
 import dagster as dg
 import psycopg
 
-from siphon_core.config import ClickHouseTargetConfig, SnowflakeTargetConfig
+from siphon_core.config import (
+    ClickHouseTargetConfig,
+    QueueConfig,
+    SnowflakeTargetConfig,
+    SourceConfig,
+    SparkConfig,
+    expand_settings,
+)
 from siphon_core.queue import JetStreamQueue, StreamSettings
 from siphon_dagster import source
 from siphon_dagster.targets.base import Target
 
 
 class PostgresResource(dg.ConfigurableResource):
-    """The source database; `snapshot_dsn` (a standby on PostgreSQL 16+) is where block ranges are read."""
+    """The source database (`source:`); `snapshot_dsn` (a standby on PostgreSQL 16+) is where block
+    ranges are read."""
 
-    dsn: str
-    snapshot_dsn: str | None = None
-    snapshot_spool_directory: str | None = None
-    snapshot_spool_max_bytes: int = 2 << 30
+    settings: dict[str, Any]
+
+    @property
+    def config(self) -> SourceConfig:
+        return SourceConfig.model_validate(expand_settings(self.settings, "source"))
+
+    @property
+    def dsn(self) -> str:
+        return self.config.dsn
 
     @property
     def snapshot_source_dsn(self) -> str:
-        return self.snapshot_dsn or self.dsn
+        return self.config.snapshot_or_primary_dsn
+
+    @property
+    def snapshot_spool_directory(self) -> str | None:
+        return self.config.snapshot_spool_directory
+
+    @property
+    def snapshot_spool_max_bytes(self) -> int:
+        return self.config.snapshot_spool_max_bytes
 
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
         return source.connect(self.dsn, autocommit=True, **kwargs)
 
 
 class NatsResource(dg.ConfigurableResource):
-    url: str
+    """The application's JetStream stream (`queue:`)."""
+
+    settings: dict[str, Any]
     application_identifier: str
-    duplicate_window_seconds: int = 600
-    replicas: int = 1
-    max_message_bytes: int = 1_048_576
+
+    @property
+    def config(self) -> QueueConfig:
+        return QueueConfig.model_validate(expand_settings(self.settings, "queue"))
 
     def queue(self, client_name: str = "siphon-dagster") -> JetStreamQueue:
-        settings = StreamSettings(self.application_identifier, self.duplicate_window_seconds, self.replicas,
-                                  self.max_message_bytes)
-        return JetStreamQueue(self.url, settings, name=client_name)
+        config = self.config
+        settings = StreamSettings(self.application_identifier, config.duplicate_window_seconds, config.replicas,
+                                  config.max_message_bytes)
+        return JetStreamQueue(config.url, settings, name=client_name)
 
 
 class ClickHouseResource(dg.ConfigurableResource):
-    """ClickHouse over HTTP: the embedded local server or a real ClickHouse, by URL."""
+    """ClickHouse over HTTP (`targets.clickhouse:`): the embedded local server or a real ClickHouse."""
 
-    url: str
-    database: str = "siphon"
-    username: str = "default"
-    password: str = ""
+    settings: dict[str, Any]
 
     def open_target(self) -> Target:
         from siphon_dagster.targets.clickhouse import ClickHouseTarget
 
-        return ClickHouseTarget(ClickHouseTargetConfig(url=self.url, database=self.database,
-                                                       username=self.username, password=self.password))
+        return ClickHouseTarget(ClickHouseTargetConfig.model_validate(
+            expand_settings(self.settings, "targets.clickhouse")))
 
 
 class SnowflakeResource(dg.ConfigurableResource):
-    account: str
-    user: str
-    password: str = ""
-    database: str = "SIPHON"
-    schema_name: str = "PUBLIC"
-    warehouse: str | None = None
-    role: str | None = None
-    host: str | None = None
-    port: int | None = None
-    protocol: str | None = None
+    """Snowflake (`targets.snowflake:`)."""
+
+    settings: dict[str, Any]
 
     def open_target(self) -> Target:
         from siphon_dagster.targets.snowflake import SnowflakeTarget
 
-        return SnowflakeTarget(SnowflakeTargetConfig(
-            account=self.account, user=self.user, password=self.password, database=self.database,
-            schema=self.schema_name, warehouse=self.warehouse, role=self.role, host=self.host, port=self.port,
-            protocol=self.protocol))
+        return SnowflakeTarget(SnowflakeTargetConfig.model_validate(
+            expand_settings(self.settings, "targets.snowflake")))
 
 
 class SparkResource(dg.ConfigurableResource):
-    """Local Spark by default; `remote` (sc://host:port) uses a Spark Connect server instead."""
+    """Local Spark by default; `remote` (sc://host:port) uses a Spark Connect server instead (`spark:`)."""
 
-    master: str = "local[2]"
-    remote: str | None = None
-    conf: dict[str, str] = {}
+    settings: dict[str, Any]
 
     def session(self) -> Any:
         """One Spark session per run process, reused across micro-batches."""
-        from siphon_core.config import SparkConfig
         from siphon_dagster.streaming.spark_session import get_spark_session
 
-        return get_spark_session(SparkConfig(master=self.master, remote=self.remote, conf=self.conf))
+        return get_spark_session(SparkConfig.model_validate(expand_settings(self.settings, "spark")))

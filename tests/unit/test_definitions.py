@@ -85,3 +85,36 @@ def test_a_table_goes_to_the_targets_it_names():
                     "postgres/public/events", "snowflake/public/events"}
     jobs = {job.name for job in defs.resolve_all_job_defs() if job.name.startswith("stream_")}
     assert jobs == {"stream_clickhouse_notes", "stream_snowflake_notes", "stream_snowflake_events"}
+
+
+def test_secrets_travel_as_references_and_never_reach_the_job_snapshots(monkeypatch) -> None:
+    import json
+
+    from dagster._serdes import serialize_value
+
+    from siphon_core.config import parse_config
+    from siphon_dagster.definitions import build_definitions, build_resources
+
+    secret = "Qx9-canary-secret-value"
+    monkeypatch.setenv("SF_PW", secret)
+    monkeypatch.setenv("PG_PW", secret)
+    monkeypatch.setenv("CH_PW", secret)
+    config = parse_config({
+        "application_identifier": "canary",
+        "source": {"dsn": "postgresql://siphon:${PG_PW}@127.0.0.1:5432/app"},
+        "queue": {"url": "nats://u:${CH_PW}@127.0.0.1:4222"},
+        "tables": [{"name": "public.notes"}],
+        "targets": {"clickhouse": {"url": "http://127.0.0.1:8123", "password": "${CH_PW}"},
+                    "snowflake": {"account": "a", "user": "u", "password": "${SF_PW}"}},
+    })
+    assert config.targets.snowflake.password == secret  # the process that loaded it has the value
+    resources = build_resources(config)
+    assert resources["snowflake_target"].settings["password"] == "${SF_PW}"
+    assert resources["source"].settings["dsn"] == "postgresql://siphon:${PG_PW}@127.0.0.1:5432/app"
+    assert resources["source"].dsn.endswith(f":{secret}@127.0.0.1:5432/app")  # expanded where it is used
+    assert resources["snowflake_target"].settings["database"] == "SIPHON"  # defaults come from the model
+    defs = build_definitions(config)
+    for job in defs.resolve_all_job_defs():
+        snapshot = serialize_value(job.get_job_snapshot())
+        assert secret not in snapshot, job.name
+    assert secret not in json.dumps([r.settings for r in resources.values()])
