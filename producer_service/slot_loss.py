@@ -207,7 +207,8 @@ class SlotGuard:
             "the queue. producer.on_slot_lost is 'stop', so nothing was changed. To go on, start the producer "
             f"once with `siphon-producer run --config {config} --accept-slot-loss`: it records the gap on "
             f"{self.subject}, creates a new slot and streams from its consistent point. Then every table must be "
-            f"rebuilt: the application's Dagster sensor siphon_<application>_slot_gaps requests the jobs {jobs} by itself (or run them, "
+            f"rebuilt: the Dagster sensor {naming.gap_sensor_name(self.application_identifier)} requests the jobs "
+            f"{jobs} by itself (or run them, "
             "e.g. `dagster job execute -m siphon_dagster -j <job>`). Rebuild only after the new slot exists: "
             "a rebuild taken before it would miss the changes in between."
         )

@@ -67,6 +67,11 @@ def stream_job_name(target: str, schema: str, table: str) -> str:
     return f"stream_{target}_{job_suffix(schema, table)}"
 
 
+def gap_sensor_name(application_identifier: str) -> str:
+    """The Dagster sensor that rebuilds every table after a lost slot: `<group>_slot_gaps`."""
+    return f"siphon_{_NON_WORD.sub('_', application_identifier)}_slot_gaps"
+
+
 def resync_job_name(schema: str, table: str) -> str:
     """`resync_notes` for public.notes, `resync_audit__events` for audit.events."""
     return f"resync_{job_suffix(schema, table)}"

@@ -116,6 +116,7 @@ def build_gap_sensor(specs: list[TableSpec], group: str,
         if not records:
             return dg.SkipReason(f"no gap recorded after stream sequence {after}")
         resumed: list[tuple[int, SlotGap]] = []
+        lost: dict[int, SlotGap] = {}
         for sequence, data in records:
             try:
                 gap = SlotGap.from_json(data, f"stream message {sequence}")
@@ -124,9 +125,12 @@ def build_gap_sensor(specs: list[TableSpec], group: str,
                 continue
             if gap.stage == RESUMED:
                 resumed.append((sequence, gap))
+                lost.pop(gap.lost_sequence or 0, None)
             elif gap.stage == LOST:
-                context.log.warning(f"the producer recorded slot {gap.slot} as {gap.reason} (stream message "
-                                    f"{sequence}); the tables are rebuilt once it records the new slot")
+                lost[sequence] = gap
+        for sequence, gap in lost.items():
+            context.log.warning(f"the producer recorded slot {gap.slot} as {gap.reason} (stream message {sequence}) "
+                                "and has not recorded its new slot yet; the tables are rebuilt once it has")
         run_requests: list[dg.RunRequest] = []
         observations: list[dg.AssetObservation] = []
         if resumed:

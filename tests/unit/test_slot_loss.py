@@ -89,6 +89,14 @@ def test_resync_job_names(schema, table, job):
     dg.op(name=job)(lambda: None)  # a valid Dagster name (this raises otherwise)
 
 
+def test_the_gap_sensor_is_named_as_the_producer_says():
+    from siphon_dagster.gap_sensor import build_gap_sensor
+    from siphon_dagster.specs import group_name
+
+    for identifier in ("dev.main-1", "app"):
+        assert build_gap_sensor([], group_name(identifier)).name == naming.gap_sensor_name(identifier)
+
+
 def test_on_slot_lost_is_resync_by_default_and_checked():
     raw = {"application_identifier": "a", "source": {"dsn": "postgresql://x"}, "tables": [{"name": "public.t"}]}
     assert parse_config(raw).producer.on_slot_lost == "resync"
