@@ -36,6 +36,7 @@ from siphon_core.config import TableConfig
 from siphon_core.gaps import LOST, RESUMED, GapRecordError, SlotGap
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue, QueueError
+from siphon_core.wire.packages import PackageError, decode_package
 
 log = get_logger("producer")
 
@@ -144,17 +145,19 @@ class SlotGuard:
         newest, newest_sequence = await self._newest_gap()
         decision = plan(state, last_sequence, newest, self.on_slot_lost, self.accepted)
         if decision.refuse:
-            raise SlotLostError(self._refusal(state, last_sequence or 0))
+            raise SlotLostError(self._refusal(state, last_sequence or 0, await self._last_streamed_lsn()))
         lost, lost_sequence = (newest, newest_sequence) if decision.record_resumed and not decision.record_lost \
             else (None, None)
         if decision.record_lost:
             lost = SlotGap(self.application_identifier, self.slot, LOST, state.reason, _now(),
-                           detail=state.invalidation, last_confirmed_lsn=_lsn_text(state.confirmed_flush_lsn))
+                           detail=state.invalidation, last_confirmed_lsn=_lsn_text(state.confirmed_flush_lsn),
+                           last_streamed_lsn=_lsn_text(await self._last_streamed_lsn()))
             lost_sequence = await self._publish(lost)
             self.recorded_lost = True
             log.warning("replication slot lost; recorded on the queue before making a new one", slot=self.slot,
                         reason=state.reason, detail=state.invalidation or "", sequence=lost_sequence,
-                        last_confirmed_lsn=lost.last_confirmed_lsn or "unknown")
+                        last_confirmed_lsn=lost.last_confirmed_lsn or "unknown",
+                        last_streamed_lsn=lost.last_streamed_lsn or "unknown")
         if decision.drop_slot:
             drop_slot(self.connection, self.slot)
         consistent_point = state.confirmed_flush_lsn
@@ -172,7 +175,7 @@ class SlotGuard:
                   "consistent point were not streamed; every table must be rebuilt (the Dagster gap sensor "
                   "requests the resync_<table> jobs)", slot=self.slot, reason=resumed.reason,
                   last_confirmed_lsn=resumed.last_confirmed_lsn or "unknown",
-                  consistent_point=resumed.consistent_point, subject=self.subject, sequence=sequence)
+                  last_streamed_lsn=resumed.last_streamed_lsn or "unknown", consistent_point=resumed.consistent_point, subject=self.subject, sequence=sequence)
         return resumed
 
     async def _publish(self, gap: SlotGap) -> int:
@@ -182,6 +185,18 @@ class SlotGuard:
         except Exception as error:  # nats-py raises several unrelated types here
             raise QueueError(f"recording the {gap.stage} gap record of slot {self.slot!r} on {self.subject} "
                              f"failed: {error!r}") from None
+
+    async def _last_streamed_lsn(self) -> int | None:
+        """The last commit of the newest package in the queue; None when there is none or it cannot be read."""
+        newest = await self.queue.last_table_message()
+        if newest is None:
+            return None
+        sequence, data = newest
+        try:
+            return decode_package(data, f"stream message {sequence}").last_commit_lsn or None
+        except PackageError as error:
+            log.warning("cannot read the newest package for the gap record", error=str(error))
+            return None
 
     async def _newest_gap(self) -> tuple[SlotGap | None, int | None]:
         newest = await self.queue.last_message(self.subject)
@@ -194,10 +209,11 @@ class SlotGuard:
             log.warning("ignoring a message that is not a gap record", error=str(error))
             return None, None
 
-    def _refusal(self, state: SlotState, last_sequence: int) -> str:
+    def _refusal(self, state: SlotState, last_sequence: int, last_streamed: int | None) -> str:
         what = (f"was invalidated by the server ({state.invalidation})" if state.exists
                 else "does not exist (dropped, or not on this server after a failover)")
-        since = _lsn_text(state.confirmed_flush_lsn) or "its last confirmed position (unknown)"
+        since = (f"{_lsn_text(last_streamed)} (the newest commit in the queue)" if last_streamed is not None
+                 else _lsn_text(state.confirmed_flush_lsn) or "its last confirmed position (unknown)")
         jobs = ", ".join(naming.resync_job_name(t.schema_name, t.table_name) for t in self.tables)
         config = self.config_path or "siphon.yaml"
         return (

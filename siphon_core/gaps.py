@@ -42,6 +42,10 @@ class SlotGap:
     detail: str | None = None
     # The lost slot's confirmed position (PostgreSQL's X/X text) when the server still showed it.
     last_confirmed_lsn: str | None = None
+    # The newest commit the queue held when the loss was noticed: with the consistent point, the
+    # narrowest bounds of the lost changes (the queue holds what the old slot read past its last
+    # confirmed position, too).
+    last_streamed_lsn: str | None = None
     # The new slot's consistent point: `resumed` records only.
     consistent_point: str | None = None
     # The stream sequence of the `lost` record a `resumed` record ends.

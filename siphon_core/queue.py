@@ -104,6 +104,10 @@ class JetStreamQueue:
             return None
         return int(message.seq or 0), message.data or b""
 
+    async def last_table_message(self) -> tuple[int, bytes] | None:
+        """The newest message on any table subject (`siphon.<application>.<schema>.<table>`), or None."""
+        return await self.last_message(f"{naming.subject_prefix(self.settings.application_identifier)}.*.*")
+
     async def messages_after(self, subject: str, sequence: int, limit: int = 1000) -> list[tuple[int, bytes]]:
         """Messages on `subject` with a stream sequence above `sequence`, oldest first, at most `limit`
         (for a subject that holds few messages: one request per message)."""

@@ -32,15 +32,16 @@ _OBSERVATIONS_SCANNED = 20
 def gap_observations(specs: list[TableSpec], sequence: int, gap: SlotGap,
                      resync_jobs: Mapping[str, dg.JobDefinition]) -> list[dg.AssetObservation]:
     """One observation per target asset: what was lost and what is being done about it."""
+    since = gap.last_streamed_lsn or gap.last_confirmed_lsn or "the lost slot's last confirmed position (unknown)"
     observations = []
     for spec in specs:
         job = resync_jobs[spec.qualified_name].name
         for target in spec.targets:
             observations.append(dg.AssetObservation(
                 asset_key=spec.target_key(target),
-                description=(f"replication slot {gap.slot} was {gap.reason}: changes committed between "
-                             f"{gap.last_confirmed_lsn or 'its last confirmed position (unknown)'} and "
-                             f"{gap.consistent_point} never reached the queue; {job} requested to rebuild the table"),
+                description=(f"replication slot {gap.slot} was {gap.reason}: changes committed after {since} and "
+                             f"before {gap.consistent_point} never reached the queue; {job} requested to rebuild "
+                             "the table"),
                 metadata={
                     SEQUENCE_KEY: sequence,
                     "gap_lsn": gap.consistent_point or "",
@@ -48,6 +49,7 @@ def gap_observations(specs: list[TableSpec], sequence: int, gap: SlotGap,
                     "detail": gap.detail or "",
                     "slot": gap.slot,
                     "last_confirmed_lsn": gap.last_confirmed_lsn or "unknown",
+                    "last_streamed_lsn": gap.last_streamed_lsn or "unknown",
                     "recorded_at": gap.recorded_at,
                     "action": f"resync requested: {job}",
                 },

@@ -104,6 +104,8 @@ def test_a_slot_dropped_while_the_producer_was_down_is_recorded_and_every_table_
     insert(app, 2)  # committed with no slot: lost
     lost_before = current_lsn(app.dsn)
 
+    newest_streamed = max(e.commit_lsn for e in app.events())
+
     restarted = app.producer(TABLES)
     insert(app, 3)
     app.wait_for_events(4)
@@ -111,6 +113,7 @@ def test_a_slot_dropped_while_the_producer_was_down_is_recorded_and_every_table_
     (lost_sequence, lost), (resumed_sequence, resumed) = gap_records(app)
     assert (lost.stage, lost.reason, lost.slot, lost.last_confirmed_lsn) == (LOST, "missing", app.slot, None)
     assert (resumed.stage, resumed.reason, resumed.lost_sequence) == (RESUMED, "missing", lost_sequence)
+    assert lost.last_streamed_lsn == resumed.last_streamed_lsn == naming.format_lsn(newest_streamed)
     consistent_point = naming.parse_lsn(resumed.consistent_point)
     assert consistent_point >= lost_before
     for table in TABLES:
@@ -197,6 +200,9 @@ def test_on_slot_lost_stop_exits_3_changes_nothing_and_the_acknowledgement_goes_
     message = refused.log()
     assert f"replication slot '{app.slot}'" in message and "does not exist" in message
     assert "--accept-slot-loss" in message and naming.resync_job_name(app.schema, "a") in message
+    newest = naming.format_lsn(max(e.commit_lsn for e in app.events()))
+    assert f"changes committed since {newest} (the newest commit in the queue)" in message
+    assert naming.gap_sensor_name(app.identifier) in message
     assert not slot_exists(app.dsn, app.slot) and gap_records(app) == []
 
     accepted = app.producer(TABLES, on_slot_lost="stop", start=False).start(extra_args=("--accept-slot-loss",))
@@ -287,7 +293,7 @@ def test_a_slot_invalidated_by_the_server_is_recorded_and_replaced(app: Applicat
 
     (_, lost), (_, resumed) = gap_records(app)
     assert (lost.reason, lost.detail, lost.last_confirmed_lsn) == ("invalidated", "wal_status=lost", confirmed)
-    assert resumed.reason == "invalidated" and resumed.consistent_point
+    assert resumed.reason == "invalidated" and resumed.consistent_point and resumed.last_streamed_lsn
     assert execute(dsn, "select wal_status from pg_replication_slots where slot_name = %s",
                    (app.slot,))[0][0] != "lost"
     assert json.loads(lost.to_json())["stage"] == LOST
