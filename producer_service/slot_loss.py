@@ -204,10 +204,12 @@ class SlotGuard:
             return None, None
         sequence, data = newest
         try:
-            return SlotGap.from_json(data, f"stream message {sequence} on {self.subject}"), sequence
+            gap = SlotGap.from_json(data, f"stream message {sequence} on {self.subject}")
         except GapRecordError as error:
             log.warning("ignoring a message that is not a gap record", error=str(error))
             return None, None
+        # A gap of another slot (producer.slot_name changed since) is not this slot's to finish.
+        return (gap, sequence) if gap.slot == self.slot else (None, None)
 
     def _refusal(self, state: SlotState, last_sequence: int, last_streamed: int | None) -> str:
         what = (f"was invalidated by the server ({state.invalidation})" if state.exists

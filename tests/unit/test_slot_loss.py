@@ -1,6 +1,8 @@
 """What start-up does with a lost replication slot, decided apart from any server; the gap
 record's format; the names it travels under."""
 
+from dataclasses import replace
+
 import dagster as dg
 import pytest
 
@@ -103,3 +105,37 @@ def test_on_slot_lost_is_resync_by_default_and_checked():
     assert parse_config({**raw, "producer": {"on_slot_lost": "stop"}}).producer.on_slot_lost == "stop"
     with pytest.raises(ConfigError, match=r"producer\.on_slot_lost: .*'resync' or 'stop'"):
         parse_config({**raw, "producer": {"on_slot_lost": "ignore"}})
+
+
+def test_the_sensor_observes_every_target_asset_and_requests_every_table_once():
+    from siphon_dagster.gap_sensor import GAP_TAG, gap_observations, resync_requests
+    from siphon_dagster.specs import table_specs
+
+    config = parse_config({
+        "application_identifier": "app", "source": {"dsn": "postgresql://x"},
+        "tables": [{"name": "public.notes"}, {"name": "audit.events", "targets": ["clickhouse"]}],
+        "targets": {"clickhouse": {}, "snowflake": {"account": "a", "user": "u"}},
+    })
+    specs = table_specs(config)
+
+    @dg.op
+    def noop() -> None:
+        pass
+
+    jobs = {}
+    for spec in specs:
+        name = naming.resync_job_name(spec.schema, spec.name)
+        jobs[spec.qualified_name] = dg.GraphDefinition(name=name, node_defs=[noop]).to_job()
+    gap = replace(CLOSED_GAP, last_streamed_lsn="0/1800")
+
+    observations = gap_observations(specs, 12, gap, jobs)
+    requests = resync_requests(specs, 12, jobs)
+
+    assert sorted(o.asset_key.to_user_string() for o in observations) == [
+        "clickhouse/audit/events", "clickhouse/public/notes", "snowflake/public/notes"]
+    notes = observations[0]
+    assert notes.metadata["gap_lsn"].value == "0/2000" and notes.metadata["gap_sequence"].value == 12
+    assert "after 0/1800 and before 0/2000" in notes.description
+    assert [(r.job_name, r.tags[GAP_TAG], r.run_key) for r in requests] == [
+        ("resync_notes", "12", "slot-gap-12-resync_notes"),
+        ("resync_audit__events", "12", "slot-gap-12-resync_audit__events")]
