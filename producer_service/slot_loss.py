@@ -146,8 +146,9 @@ class SlotGuard:
         decision = plan(state, last_sequence, newest, self.on_slot_lost, self.accepted)
         if decision.refuse:
             raise SlotLostError(self._refusal(state, last_sequence or 0, await self._last_streamed_lsn()))
-        lost, lost_sequence = (newest, newest_sequence) if decision.record_resumed and not decision.record_lost \
-            else (None, None)
+        lost, lost_sequence = None, None
+        if decision.record_resumed and not decision.record_lost:  # finishing a gap recorded before
+            lost, lost_sequence = newest, newest_sequence
         if decision.record_lost:
             lost = SlotGap(self.application_identifier, self.slot, LOST, state.reason, _now(),
                            detail=state.invalidation, last_confirmed_lsn=_lsn_text(state.confirmed_flush_lsn),
@@ -167,15 +168,16 @@ class SlotGuard:
         if not decision.record_resumed:
             return None
         assert lost is not None and consistent_point is not None
-        resumed = replace(lost, stage=RESUMED, recorded_at=_now(), consistent_point=naming.format_lsn(consistent_point),
-                          lost_sequence=lost_sequence)
+        resumed = replace(lost, stage=RESUMED, recorded_at=_now(),
+                          consistent_point=naming.format_lsn(consistent_point), lost_sequence=lost_sequence)
         sequence = await self._publish(resumed)
         self.metrics.slot_gaps.labels(reason=resumed.reason).inc()
         log.error("gap recorded: changes between the lost slot's last confirmed position and the new slot's "
                   "consistent point were not streamed; every table must be rebuilt (the Dagster gap sensor "
                   "requests the resync_<table> jobs)", slot=self.slot, reason=resumed.reason,
                   last_confirmed_lsn=resumed.last_confirmed_lsn or "unknown",
-                  last_streamed_lsn=resumed.last_streamed_lsn or "unknown", consistent_point=resumed.consistent_point, subject=self.subject, sequence=sequence)
+                  last_streamed_lsn=resumed.last_streamed_lsn or "unknown",
+                  consistent_point=resumed.consistent_point, subject=self.subject, sequence=sequence)
         return resumed
 
     async def _publish(self, gap: SlotGap) -> int:

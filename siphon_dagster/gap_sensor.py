@@ -143,8 +143,8 @@ def build_gap_sensor(specs: list[TableSpec], group: str,
                 context.log.error(message)
                 return dg.SkipReason(message)
             for sequence, gap in resumed:
-                context.log.warning(f"replication slot {gap.slot} was {gap.reason}; rebuilding every table "
-                                    f"(gap recorded at stream message {sequence}, new slot from {gap.consistent_point})")
+                context.log.warning(f"replication slot {gap.slot} was {gap.reason}; rebuilding every table (gap "
+                                    f"recorded at stream message {sequence}, new slot from {gap.consistent_point})")
                 observations.extend(gap_observations(specs, sequence, gap, jobs))
             # One rebuild after the newest gap covers the older ones too.
             run_requests = resync_requests(specs, resumed[-1][0], jobs)
