@@ -34,7 +34,8 @@ class _NatsClientLines(logging.Handler):
         log.warning(record.getMessage(), source="nats-py", error=repr(error) if error is not None else "")
 
 
-async def run_until_stopped(config: SiphonConfig) -> int:
+async def run_until_stopped(config: SiphonConfig, accept_slot_loss: bool = False,
+                            config_path: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     service: ProducerService | None = None
@@ -50,11 +51,14 @@ async def run_until_stopped(config: SiphonConfig) -> int:
     failures = 0
     retries = config.producer.connect_retries
     while not stopping.is_set():
-        service = ProducerService(config)
+        service = ProducerService(config, accept_slot_loss=accept_slot_loss, config_path=config_path)
         try:
             await service.run()
             return 0
         except _TRANSIENT as error:
+            if service.recorded_slot_loss:
+                # The acknowledgement covered the loss just recorded, not one met later.
+                accept_slot_loss = False
             failures += 1
             if failures > retries:
                 log.error("giving up after repeated connection failures", attempts=failures, error=str(error))
@@ -77,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="stream the configured tables to JetStream until stopped")
     run.add_argument("--config", required=True, help="path to siphon.yaml")
     run.add_argument("--log-level", default="INFO")
+    run.add_argument("--accept-slot-loss", action="store_true",
+                     help="with producer.on_slot_lost: stop, replace a lost replication slot once: record the gap "
+                          "on the queue (the Dagster side then rebuilds every table) and stream from a new slot")
     args = parser.parse_args(argv)
     logs.configure(args.log_level)
     nats_logger = logging.getLogger("nats")
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"siphon-producer: invalid configuration:\n{error}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(run_until_stopped(config))
+        return asyncio.run(run_until_stopped(config, args.accept_slot_loss, args.config))
     except (LockHeldError, SourceSetupError, EndpointError) as error:
         print(f"siphon-producer: {error}", file=sys.stderr)
         return 3

@@ -77,6 +77,9 @@ class ProducerMetrics:
         self.acked_lsn = Gauge("siphon_producer_last_acked_lsn", "Last LSN confirmed to PostgreSQL", registry=r)
         self.received_lsn = Gauge("siphon_producer_last_received_lsn", "Last WAL position received", registry=r)
         self.reconnects = Counter("siphon_producer_reconnects_total", "Reconnections to PostgreSQL", registry=r)
+        self.slot_gaps = Counter("siphon_producer_slot_gaps_total",
+                                 "Lost replication slots recorded as gaps on the queue, by reason", ["reason"],
+                                 registry=r)
         self.heartbeats = Counter("siphon_producer_heartbeats_total", "Heartbeat messages emitted", registry=r)
         self.started_at = time.time()
         self.healthy = False

@@ -9,6 +9,7 @@ import psycopg
 from psycopg import sql
 
 from siphon_core.config import TableConfig
+from siphon_core.naming import parse_lsn
 
 
 class SourceSetupError(RuntimeError):
@@ -125,14 +126,25 @@ def ensure_slot(connection: psycopg.Connection[Any], slot: str) -> bool:
     row = connection.execute(
         "select plugin, database from pg_replication_slots where slot_name = %s", (slot,)).fetchone()
     if row is not None:
-        plugin, database = row
-        current_db = connection.execute("select current_database()").fetchone()[0]
-        if plugin != "pgoutput" or database != current_db:
-            raise SourceSetupError(f"replication slot {slot!r} exists but uses plugin {plugin!r} on database "
-                                   f"{database!r}; drop it or configure producer.slot_name")
+        check_slot_kind(connection, slot, *row)
         return False
+    create_slot(connection, slot)
+    return True
+
+
+def check_slot_kind(connection: psycopg.Connection[Any], slot: str, plugin: str | None, database: str | None) -> None:
+    """A slot of that name that is not the producer's kind is someone else's: never touch it."""
+    current_db = connection.execute("select current_database()").fetchone()[0]
+    if plugin != "pgoutput" or database != current_db:
+        raise SourceSetupError(f"replication slot {slot!r} exists but uses plugin {plugin!r} on database "
+                               f"{database!r}; drop it or configure producer.slot_name")
+
+
+def create_slot(connection: psycopg.Connection[Any], slot: str) -> int:
+    """Creates the pgoutput slot; returns its consistent point (every later commit is streamed)."""
     try:
-        connection.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        lsn = connection.execute("select lsn::text from pg_create_logical_replication_slot(%s, 'pgoutput')",
+                                 (slot,)).fetchone()[0]
     except psycopg.errors.ObjectNotInPrerequisiteState as error:
         raise SourceSetupError(f"cannot create replication slot {slot!r}: {error.diag.message_primary}; "
                                "the server needs wal_level = logical") from None
@@ -145,4 +157,4 @@ def ensure_slot(connection: psycopg.Connection[Any], slot: str) -> bool:
             f"cannot create replication slot {slot!r}: {error.diag.message_primary}; the producer's role needs "
             f"the REPLICATION attribute: ALTER ROLE {sql.Identifier(role).as_string(connection)} REPLICATION"
         ) from None
-    return True
+    return parse_lsn(lsn)

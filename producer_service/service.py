@@ -23,9 +23,10 @@ from producer_service.metrics import MetricsServer, ProducerMetrics
 from producer_service.packaging import OutgoingPackage, PackageLimits, Packager
 from producer_service.pgoutput import messages as m
 from producer_service.progress import ProgressTracker
-from producer_service.publication import check_replica_identities, ensure_publication, ensure_slot
+from producer_service.publication import check_replica_identities, ensure_publication
 from producer_service.publisher import Publisher
 from producer_service.relations import RelationCatalog, RelationInfo
+from producer_service.slot_loss import SlotGuard
 from siphon_core import naming
 from siphon_core.config import SiphonConfig
 from siphon_core.logs import get_logger
@@ -42,8 +43,13 @@ _STATUS_MIN_SECONDS = 0.1
 
 
 class ProducerService:
-    def __init__(self, config: SiphonConfig, metrics: ProducerMetrics | None = None) -> None:
+    def __init__(self, config: SiphonConfig, metrics: ProducerMetrics | None = None, accept_slot_loss: bool = False,
+                 config_path: str | None = None) -> None:
         self.config = config
+        # The operator's acknowledgement that a lost slot may be replaced under on_slot_lost: stop.
+        self.accept_slot_loss = accept_slot_loss
+        self.config_path = config_path
+        self.recorded_slot_loss = False
         self.metrics = metrics or ProducerMetrics()
         self.slot = config.producer.slot_name or naming.slot_name(config.application_identifier)
         self.publication = config.producer.publication_name or naming.publication_name(config.application_identifier)
@@ -100,8 +106,16 @@ class ProducerService:
                         table=name, publication=self.publication)
         for name in change.dropped:
             log.info("table dropped from the publication", table=name, publication=self.publication)
-        if ensure_slot(connection, self.slot):
-            log.info("replication slot created", slot=self.slot)
+
+    async def _secure_slot(self, control: psycopg.Connection[Any], queue: JetStreamQueue) -> None:
+        """The slot exists and is usable; a lost one is recorded on the queue before a new one streams.
+        After the publication (pgoutput reads it as of each change) and the queue (the gap's record)."""
+        guard = SlotGuard(control, queue, self.config.application_identifier, self.slot, self.config.tables,
+                          self.metrics, self.config.producer.on_slot_lost, self.accept_slot_loss, self.config_path)
+        try:
+            await guard.ensure()
+        finally:
+            self.recorded_slot_loss = guard.recorded_lost
 
     async def run(self) -> None:
         """Runs until `request_stop`, then flushes, waits for acks, confirms and returns."""
@@ -126,6 +140,7 @@ class ProducerService:
                 config.application_identifier, config.queue.duplicate_window_seconds, config.queue.replicas,
                 config.queue.max_message_bytes), name=f"siphon-producer {config.application_identifier}")
             await self._connect_queue(self._queue)
+            await self._secure_slot(control, self._queue)
             budget = config.producer.publish_retry_seconds
             # An ack that may take longer than the whole budget would leave no room for a retry.
             self._publisher = Publisher(self._queue, self.metrics, self._on_acked,

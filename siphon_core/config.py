@@ -97,6 +97,18 @@ class ProducerConfig(_Model):
             raise ValueError("must be 'exit' or 'wait'")
         return value
 
+    # -- a lost replication slot (producer_service.slot_loss) --
+    # "resync" (default): record the gap on the queue, make a new slot and go on (the Dagster side
+    # rebuilds every table); "stop": exit 3 and change nothing until started with --accept-slot-loss.
+    on_slot_lost: str = "resync"
+
+    @field_validator("on_slot_lost")
+    @classmethod
+    def _slot_lost_mode(cls, value: str) -> str:
+        if value not in ("resync", "stop"):
+            raise ValueError("must be 'resync' or 'stop'")
+        return value
+
 
 TARGET_NAMES = ("clickhouse", "snowflake")
 

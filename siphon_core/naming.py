@@ -36,6 +36,12 @@ def table_subject(application_identifier: str, schema: str, table: str) -> str:
     return f"{subject_prefix(application_identifier)}.{escape_subject_token(schema)}.{escape_subject_token(table)}"
 
 
+def gap_subject(application_identifier: str) -> str:
+    """Where the producer records a lost replication slot: three tokens, so no table subject
+    (`siphon.<application>.<schema>.<table>`, four) can ever be this one."""
+    return f"{subject_prefix(application_identifier)}.gaps"
+
+
 def dead_letter_subject(application_identifier: str, schema: str, table: str) -> str:
     return f"siphon_dead_letter.{escape_subject_token(application_identifier)}.{escape_subject_token(schema)}.{escape_subject_token(table)}"
 
@@ -66,6 +72,16 @@ def rebuild_advice(target: str, schema: str, table: str) -> str:
 
 def stream_job_name(target: str, schema: str, table: str) -> str:
     return f"stream_{target}_{job_suffix(schema, table)}"
+
+
+def gap_sensor_name(application_identifier: str) -> str:
+    """The Dagster sensor that rebuilds every table after a lost slot: `<group>_slot_gaps`."""
+    return f"siphon_{_NON_WORD.sub('_', application_identifier)}_slot_gaps"
+
+
+def resync_job_name(schema: str, table: str) -> str:
+    """`resync_notes` for public.notes, `resync_audit__events` for audit.events."""
+    return f"resync_{job_suffix(schema, table)}"
 
 
 def asset_key_path(system: str, schema: str, table: str) -> list[str]:

@@ -97,6 +97,42 @@ class JetStreamQueue:
                                     headers={"Nats-Msg-Id": message_id})
         return ack.seq
 
+    # -- reading single messages (gap records) ---------------------------------------------------
+
+    async def last_sequence(self) -> int | None:
+        """The stream's last sequence: 0 when it never held a message (sequences survive purges and
+        age limits, so this remembers that the application streamed); None without a stream."""
+        try:
+            info = await self.js.stream_info(self.settings.stream)
+        except NotFoundError:
+            return None
+        return int(info.state.last_seq or 0)
+
+    async def last_message(self, subject: str) -> tuple[int, bytes] | None:
+        """The newest message on `subject` (sequence, data), or None."""
+        try:
+            message = await self.js.get_last_msg(self.settings.stream, subject)
+        except NotFoundError:
+            return None
+        return int(message.seq or 0), message.data or b""
+
+    async def last_table_message(self) -> tuple[int, bytes] | None:
+        """The newest message on any table subject (`siphon.<application>.<schema>.<table>`), or None."""
+        return await self.last_message(f"{naming.subject_prefix(self.settings.application_identifier)}.*.*")
+
+    async def messages_after(self, subject: str, sequence: int, limit: int = 1000) -> list[tuple[int, bytes]]:
+        """Messages on `subject` with a stream sequence above `sequence`, oldest first, at most `limit`
+        (for a subject that holds few messages: one request per message)."""
+        found: list[tuple[int, bytes]] = []
+        while len(found) < limit:
+            try:
+                message = await self.js.get_msg(self.settings.stream, seq=sequence + 1, subject=subject, next=True)
+            except NotFoundError:
+                break
+            sequence = int(message.seq or 0)
+            found.append((sequence, message.data or b""))
+        return found
+
     async def ensure_consumer(self, durable: str, subject: str, ack_wait_seconds: float = 300.0,
                               max_ack_pending: int = 10_000) -> None:
         config = ConsumerConfig(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dagster as dg
 
+from siphon_core import naming
 from siphon_core.config import SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
+from siphon_dagster.gap_sensor import build_gap_sensor
 from siphon_dagster.jobs import build_stream_job
 from siphon_dagster.resources import (
     ClickHouseResource,
@@ -41,12 +43,18 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
     group = group_name(config.application_identifier)
     stream_jobs = {(target, spec.qualified_name): build_stream_job(spec, target)
                    for spec in specs for target in spec.targets}
+    jobs: list[dg.JobDefinition] = list(stream_jobs.values())
+    # -- lost replication slots: the gap sensor requests each table's resync_<table> job, found here
+    # by name among the jobs; a gap waits (logged) while a table has none.
+    resync_jobs = {spec.qualified_name: job for spec in specs for job in jobs
+                   if job.name == naming.resync_job_name(spec.schema, spec.name)}
     return dg.Definitions(
         assets=assets,
-        jobs=list(stream_jobs.values()),
+        jobs=jobs,
         sensors=[
             build_partitions_sensor(specs, group),
             build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),
+            build_gap_sensor(specs, group, resync_jobs),
         ],
         resources=build_resources(config),
     )

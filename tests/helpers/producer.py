@@ -65,12 +65,13 @@ class ProducerProcess:
         assert self.process is not None
         return self.process.pid
 
-    def start(self, wait_streaming: bool = True, timeout: float = 30.0) -> ProducerProcess:
+    def start(self, wait_streaming: bool = True, timeout: float = 30.0, extra_args: tuple[str, ...] = ()
+              ) -> ProducerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"--- start {time.strftime('%H:%M:%S')}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "producer_service.cli", "run", "--config", str(self.config_path)],
+                [sys.executable, "-m", "producer_service.cli", "run", "--config", str(self.config_path), *extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPOSITORY,
                 env={**os.environ, "PYTHONPATH": str(REPOSITORY)}, start_new_session=True)
         if wait_streaming:

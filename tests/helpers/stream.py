@@ -73,7 +73,8 @@ async def _read_messages(url: str, application_identifier: str, subject: str | N
             return []
         config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
                                 inactive_threshold=30.0, max_waiting=1)
-        filter_subject = subject or f"{naming.subject_prefix(application_identifier)}.>"
+        # Table subjects only (four tokens): the gap subject carries JSON records, not packages.
+        filter_subject = subject or f"{naming.subject_prefix(application_identifier)}.*.*"
         subscription = await js.pull_subscribe(filter_subject, durable=None, stream=stream, config=config)
         messages: list[tuple[int, str, bytes, str | None]] = []
         try:

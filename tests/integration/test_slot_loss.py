@@ -1,0 +1,303 @@
+"""A lost replication slot never hides a gap: the producer records it on the queue before a new
+slot streams, or stops (`producer.on_slot_lost: stop`); the gap sensor rebuilds every table.
+
+Real PostgreSQL, NATS and Dagster test instances; each test has its own application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from siphon_core import naming
+from siphon_core.config import SiphonConfig, parse_config
+from siphon_core.gaps import LOST, RESUMED, SlotGap
+from siphon_core.queue import JetStreamQueue, StreamSettings
+from siphon_dagster.definitions import build_resources
+from siphon_dagster.gap_sensor import GAP_TAG, build_gap_sensor
+from siphon_dagster.specs import group_name, table_specs
+from siphon_stack.postgres import PostgresServer, find_bindir
+from siphon_stack.process import free_port
+from tests.helpers.application import Application
+from tests.helpers.producer import current_lsn, execute, wait_until
+
+TABLES = ["a", "b"]
+
+
+def gap_records(app: Application) -> list[tuple[int, SlotGap]]:
+    async def read() -> list[tuple[int, bytes]]:
+        queue = JetStreamQueue(app.nats_url, StreamSettings(app.identifier))
+        await queue.connect()
+        try:
+            return await queue.messages_after(naming.gap_subject(app.identifier), 0)
+        finally:
+            await queue.close()
+
+    return [(sequence, SlotGap.from_json(data, str(sequence))) for sequence, data in asyncio.run(read())]
+
+
+def slot_exists(dsn: str, slot: str) -> bool:
+    return bool(execute(dsn, "select 1 from pg_replication_slots where slot_name = %s", (slot,)))
+
+
+def create_tables(app: Application, dsn: str | None = None) -> None:
+    for table in TABLES:
+        app.sql(f"create table {{schema}}.{table} (id integer primary key, v text)", dsn=dsn)
+
+
+def insert(app: Application, row_id: int, dsn: str | None = None) -> None:
+    for table in TABLES:
+        app.sql(f"insert into {{schema}}.{table} values (%s, 'x')", (row_id,), dsn=dsn)
+
+
+def ids(app: Application, table: str) -> list[int]:
+    return sorted({int(e.new_row()["id"]) for e in app.events(table)})
+
+
+def dagster_config(app: Application) -> SiphonConfig:
+    return parse_config({
+        "application_identifier": app.identifier,
+        "source": {"dsn": app.dsn},
+        "queue": {"url": app.nats_url},
+        "tables": [{"name": app.qualified(t)} for t in TABLES],
+        "targets": {"clickhouse": {"url": "http://127.0.0.1:1"}, "snowflake": {"account": "a", "user": "u"}},
+    })
+
+
+def placeholder_resync_jobs(config: SiphonConfig) -> dict[str, dg.JobDefinition]:
+    """Jobs named like the real resync jobs; the sensor only requests them."""
+    return {spec.qualified_name: _noop_job(naming.resync_job_name(spec.schema, spec.name))
+            for spec in table_specs(config)}
+
+
+def _noop_job(name: str) -> dg.JobDefinition:
+    @dg.op(name=f"{name}_op")
+    def _noop() -> None:
+        pass
+
+    @dg.job(name=name)
+    def _job() -> None:
+        _noop()
+
+    return _job
+
+
+def tick(config: SiphonConfig, instance: dg.DagsterInstance, jobs: dict[str, dg.JobDefinition] | None,
+         cursor: str | None = None):
+    sensor = build_gap_sensor(table_specs(config), group_name(config.application_identifier), jobs)
+    context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(config))
+    return sensor(context)
+
+
+def test_a_slot_dropped_while_the_producer_was_down_is_recorded_and_every_table_rebuilt(app: Application) -> None:
+    create_tables(app)
+    producer = app.producer(TABLES)
+    insert(app, 1)
+    app.wait_for_events(2)
+    assert producer.stop() == 0
+    execute(app.dsn, "select pg_drop_replication_slot(%s)", (app.slot,))
+    insert(app, 2)  # committed with no slot: lost
+    lost_before = current_lsn(app.dsn)
+
+    newest_streamed = max(e.commit_lsn for e in app.events())
+
+    restarted = app.producer(TABLES)
+    insert(app, 3)
+    app.wait_for_events(4)
+
+    (lost_sequence, lost), (resumed_sequence, resumed) = gap_records(app)
+    assert (lost.stage, lost.reason, lost.slot, lost.last_confirmed_lsn) == (LOST, "missing", app.slot, None)
+    assert (resumed.stage, resumed.reason, resumed.lost_sequence) == (RESUMED, "missing", lost_sequence)
+    assert lost.last_streamed_lsn == resumed.last_streamed_lsn == naming.format_lsn(newest_streamed)
+    consistent_point = naming.parse_lsn(resumed.consistent_point)
+    assert consistent_point >= lost_before
+    for table in TABLES:
+        assert ids(app, table) == [1, 3]  # 2 is the gap
+        after = [e for e in app.events(table) if e.new_row()["id"] == b"3"]
+        assert after[0].commit_lsn >= consistent_point and after[0].stream_sequence > resumed_sequence
+    assert restarted.metrics()['siphon_producer_slot_gaps_total{reason="missing"}'] == 1
+    assert "gap recorded" in restarted.log()
+
+    config = dagster_config(app)
+    jobs = placeholder_resync_jobs(config)
+    with dg.instance_for_test() as instance:
+        first = tick(config, instance, jobs)
+        assert sorted(r.job_name for r in first.run_requests) == sorted(
+            naming.resync_job_name(app.schema, t) for t in TABLES)
+        assert all(r.tags[GAP_TAG] == str(resumed_sequence) for r in first.run_requests)
+        assert first.cursor == str(resumed_sequence)
+        observed = {e.asset_key.to_user_string(): e.metadata for e in first.asset_events}
+        assert set(observed) == {f"{target}/{app.schema}/{t}" for target in ("clickhouse", "snowflake")
+                                 for t in TABLES}
+        for metadata in observed.values():
+            assert metadata["gap_lsn"].value == resumed.consistent_point
+            assert metadata["reason"].value == "missing"
+            assert metadata["gap_sequence"].value == resumed_sequence
+            assert metadata["action"].value.startswith("resync requested: resync_")
+
+        second = tick(config, instance, jobs, cursor=first.cursor)
+        assert isinstance(second, dg.SkipReason) or not second.run_requests
+
+        # A new cursor on an instance that recorded the gap: no second rebuild.
+        for event in first.asset_events:
+            instance.report_runless_asset_event(event)
+        again = tick(config, instance, jobs)
+        assert isinstance(again, dg.SkipReason)
+
+    with dg.instance_for_test() as fresh:
+        # Until every table has a resync job the gap waits, and is not consumed.
+        waiting = tick(config, fresh, {})
+        assert isinstance(waiting, dg.SkipReason) and "no resync job" in waiting.skip_message
+        assert tick(config, fresh, jobs).run_requests
+
+
+def drop_active_slot(dsn: str, slot: str) -> None:
+    """What an operator does to a slot in use: end its walsender, then drop it before the producer is back."""
+    def dropped() -> bool:
+        execute(dsn, "select pg_terminate_backend(active_pid) from pg_replication_slots "
+                     "where slot_name = %s and active_pid is not null", (slot,))
+        return bool(execute(dsn, "select pg_drop_replication_slot(slot_name) from pg_replication_slots "
+                                 "where slot_name = %s and active_pid is null", (slot,)))
+
+    wait_until(dropped, 30, "the slot dropped", interval=0.01)
+
+
+def test_a_slot_dropped_while_the_producer_runs_is_recorded_when_it_reconnects(app: Application) -> None:
+    create_tables(app)
+    producer = app.producer(TABLES)
+    insert(app, 1)
+    app.wait_for_events(2)
+
+    drop_active_slot(app.dsn, app.slot)
+    insert(app, 2)  # possibly before the new slot: no assertion on it
+    wait_until(lambda: len(gap_records(app)) == 2, 30, "the gap recorded")
+    insert(app, 3)
+
+    wait_until(lambda: all(3 in ids(app, table) for table in TABLES), 30, "row 3 streamed")
+    assert all(1 in ids(app, table) for table in TABLES)
+    (_, lost), (resumed_sequence, resumed) = gap_records(app)
+    assert (lost.stage, lost.reason, resumed.stage) == (LOST, "missing", RESUMED)
+    assert "connection lost; reconnecting" in producer.log()
+    assert producer.process is not None and producer.process.poll() is None
+    assert all(e.stream_sequence > resumed_sequence for e in app.events() if e.new_row()["id"] == b"3")
+
+
+def test_on_slot_lost_stop_exits_3_changes_nothing_and_the_acknowledgement_goes_on(app: Application) -> None:
+    create_tables(app)
+    producer = app.producer(TABLES, on_slot_lost="stop")  # a first start: no gap, stop does not apply
+    insert(app, 1)
+    app.wait_for_events(2)
+    assert producer.stop() == 0
+    execute(app.dsn, "select pg_drop_replication_slot(%s)", (app.slot,))
+
+    refused = app.producer(TABLES, on_slot_lost="stop", start=False).start(wait_streaming=False)
+    assert refused.wait(60) == 3
+    message = refused.log()
+    assert f"replication slot '{app.slot}'" in message and "does not exist" in message
+    assert "--accept-slot-loss" in message and naming.resync_job_name(app.schema, "a") in message
+    newest = naming.format_lsn(max(e.commit_lsn for e in app.events()))
+    assert f"changes committed since {newest} (the newest commit in the queue)" in message
+    assert naming.gap_sensor_name(app.identifier) in message
+    assert not slot_exists(app.dsn, app.slot) and gap_records(app) == []
+
+    accepted = app.producer(TABLES, on_slot_lost="stop", start=False).start(extra_args=("--accept-slot-loss",))
+    insert(app, 2)
+    app.wait_for_events(4)
+    assert [gap.stage for _, gap in gap_records(app)] == [LOST, RESUMED]
+    assert slot_exists(app.dsn, app.slot)
+    assert accepted.stop() == 0
+
+
+def test_a_first_start_records_no_gap(app: Application) -> None:
+    create_tables(app)
+    producer = app.producer(TABLES, on_slot_lost="stop")
+    insert(app, 1)
+    app.wait_for_events(2)
+    assert gap_records(app) == []
+    assert 'siphon_producer_slot_gaps_total{reason="missing"}' not in producer.metrics()
+    assert producer.stop() == 0
+
+
+def test_a_lost_record_without_its_resumed_record_is_finished_by_the_next_start(app: Application) -> None:
+    """A producer that died after recording the loss and creating the new slot: the next start finds a
+    healthy slot, and still records the consistent point before streaming from it."""
+    create_tables(app)
+    producer = app.producer(TABLES)
+    insert(app, 1)
+    app.wait_for_events(2)
+    assert producer.stop() == 0
+    execute(app.dsn, "select pg_drop_replication_slot(%s)", (app.slot,))
+    lost = SlotGap(app.identifier, app.slot, LOST, "missing", "2026-01-01T00:00:00.000+00:00")
+
+    async def record_lost() -> int:
+        queue = JetStreamQueue(app.nats_url, StreamSettings(app.identifier))
+        await queue.connect()
+        try:
+            return await queue.publish(naming.gap_subject(app.identifier), lost.to_json(), lost.message_id())
+        finally:
+            await queue.close()
+
+    lost_sequence = asyncio.run(record_lost())
+    made = execute(app.dsn, "select lsn::text from pg_create_logical_replication_slot(%s, 'pgoutput')",
+                   (app.slot,))[0][0]
+
+    app.producer(TABLES)
+    insert(app, 2)
+    app.wait_for_events(4)
+
+    (_, first), (_, resumed) = gap_records(app)
+    assert first == lost
+    assert (resumed.stage, resumed.consistent_point, resumed.lost_sequence) == (RESUMED, made, lost_sequence)
+
+
+@pytest.fixture
+def small_wal_server(shared_tmp_dir: Path) -> Iterator[PostgresServer]:
+    """A server of this test's own whose slots lose their WAL past 1 MB (the shared one is left alone)."""
+    server = PostgresServer(shared_tmp_dir / f"small-wal-{free_port()}", free_port(), find_bindir())
+    server.initialize()
+    pid = server.start()
+    try:
+        execute(server.dsn, "alter system set max_slot_wal_keep_size = '1MB'")
+        execute(server.dsn, "select pg_reload_conf()")
+        yield server
+    finally:
+        server.stop(pid)
+
+
+def test_a_slot_invalidated_by_the_server_is_recorded_and_replaced(app: Application,
+                                                                   small_wal_server: PostgresServer) -> None:
+    dsn = small_wal_server.dsn
+    execute(dsn, f'create schema "{app.schema}"')
+    create_tables(app, dsn)
+    producer = app.producer(TABLES, dsn=dsn)
+    insert(app, 1, dsn)
+    app.wait_for_events(2)
+    assert producer.stop() == 0
+    confirmed = execute(dsn, "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s",
+                        (app.slot,))[0][0]
+    for _ in range(4):  # WAL past the slot's limit, then a checkpoint that removes it
+        insert(app, 1000 + _, dsn)
+        execute(dsn, "select pg_switch_wal()")
+    execute(dsn, "checkpoint")
+    wait_until(lambda: execute(dsn, "select wal_status from pg_replication_slots where slot_name = %s",
+                               (app.slot,))[0][0] == "lost", 30, "the slot invalidated")
+
+    restarted = app.producer(TABLES, dsn=dsn)
+    insert(app, 2, dsn)
+    app.wait_for_events(4)
+
+    (_, lost), (_, resumed) = gap_records(app)
+    assert (lost.reason, lost.detail, lost.last_confirmed_lsn) == ("invalidated", "wal_status=lost", confirmed)
+    assert resumed.reason == "invalidated" and resumed.consistent_point and resumed.last_streamed_lsn
+    assert execute(dsn, "select wal_status from pg_replication_slots where slot_name = %s",
+                   (app.slot,))[0][0] != "lost"
+    assert json.loads(lost.to_json())["stage"] == LOST
+    assert restarted.metrics()['siphon_producer_slot_gaps_total{reason="invalidated"}'] == 1
+    assert restarted.stop() == 0
+    # The application's slot lives on this server; drop it before the server goes.
+    execute(dsn, "select pg_drop_replication_slot(%s)", (app.slot,))
