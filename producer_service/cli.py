@@ -10,6 +10,7 @@ import sys
 
 import psycopg
 
+from producer_service.connecting import AuthenticationError, is_refused_login
 from producer_service.metrics import EndpointError
 from producer_service.ownership import LockHeldError
 from producer_service.publication import SourceSetupError
@@ -55,7 +56,13 @@ async def run_until_stopped(config: SiphonConfig, accept_slot_loss: bool = False
         try:
             await service.run()
             return 0
+        except AuthenticationError as error:
+            log.error("the source refused the login; not retrying", error=str(error))
+            return 3
         except _TRANSIENT as error:
+            if isinstance(error, QueueError) and is_refused_login(error):
+                log.error("NATS refused the login; not retrying", error=str(error))
+                return 3
             if service.recorded_slot_loss:
                 # The acknowledgement covered the loss just recorded, not one met later.
                 accept_slot_loss = False

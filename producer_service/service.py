@@ -19,6 +19,7 @@ import psycopg
 
 from producer_service import ownership
 from producer_service.changes import ChangeEncoder
+from producer_service.connecting import connect_unless_stopped
 from producer_service.metrics import MetricsServer, ProducerMetrics
 from producer_service.packaging import OutgoingPackage, PackageLimits, Packager
 from producer_service.pgoutput import messages as m
@@ -31,6 +32,7 @@ from siphon_core import naming
 from siphon_core.config import SiphonConfig
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue, QueueError, StreamSettings
+from siphon_core.redaction import redact_dsn, redact_url
 from siphon_core.replication import ReplicationConnection
 
 PRODUCER_VERSION = "0.1.0"
@@ -96,7 +98,6 @@ class ProducerService:
         return False
 
     def _prepare_source(self, connection: psycopg.Connection[Any]) -> None:
-        check_replica_identities(connection, self.config.tables)
         change = ensure_publication(connection, self.publication, self.config.tables)
         if change.created:
             log.info("publication created", publication=self.publication, tables=",".join(change.added))
@@ -123,8 +124,12 @@ class ProducerService:
         health_server = None
         # UTF8 as on the replication connection: in a SQL_ASCII database psycopg would otherwise
         # return catalog names as bytes.
-        control = psycopg.connect(config.source.dsn, autocommit=True, client_encoding="UTF8",
-                                  application_name=f"siphon-producer {config.application_identifier}")
+        control = await connect_unless_stopped(
+            lambda: psycopg.connect(config.source.dsn, autocommit=True, client_encoding="UTF8",
+                                    application_name=f"siphon-producer {config.application_identifier}"),
+            self._stop, f"PostgreSQL at {redact_dsn(config.source.dsn)}")
+        if control is None:
+            return
         try:
             if not await self._take_ownership(control):
                 return
@@ -134,12 +139,14 @@ class ProducerService:
                 health_server.start()
                 log.info("metrics and health endpoint",
                          url=f"http://{config.producer.metrics_host}:{health_server.port}")
-            self._prepare_source(control)
-            self._catalog = RelationCatalog(control, self._excluded)
+            check_replica_identities(control, self.config.tables)
+            # The queue first: a start that cannot reach it leaves no new publication or slot behind.
             self._queue = JetStreamQueue(config.queue.url, StreamSettings(
                 config.application_identifier, config.queue.duplicate_window_seconds, config.queue.replicas,
                 config.queue.max_message_bytes), name=f"siphon-producer {config.application_identifier}")
             await self._connect_queue(self._queue)
+            self._prepare_source(control)
+            self._catalog = RelationCatalog(control, self._excluded)
             await self._secure_slot(control, self._queue)
             budget = config.producer.publish_retry_seconds
             # An ack that may take longer than the whole budget would leave no room for a retry.
@@ -178,10 +185,10 @@ class ProducerService:
             await asyncio.wait_for(connect(), budget)
         except TimeoutError:
             what = "did not answer the stream's set-up" if connected else "did not accept a connection"
-            raise QueueError(f"NATS at {queue.url} {what} within {budget:g}s "
+            raise QueueError(f"NATS at {redact_url(queue.url)} {what} within {budget:g}s "
                              "(producer.publish_retry_seconds)") from None
         except nats.errors.Error as error:  # e.g. JetStream not ready on a server that just started
-            raise QueueError(f"cannot create or update the stream {queue.settings.stream} at {queue.url}: "
+            raise QueueError(f"cannot create or update the stream {queue.settings.stream} at {redact_url(queue.url)}: "
                              f"{error!r}") from None
 
     async def _stream(self, control: psycopg.Connection[Any]) -> None:
