@@ -82,7 +82,10 @@ def test_producer_and_dagster_users_can_do_their_part_and_no_more(secured_nats: 
             # And nothing else: the producer cannot read or dead-letter, the Dagster side cannot
             # publish packages or delete the stream.
             with pytest.raises((nats.errors.Error, APIError, TimeoutError)):
-                await producer.ensure_consumer("intruder", subject)
+                await producer.js.add_consumer(producer.settings.stream, durable_name="intruder",
+                                               filter_subject=subject, timeout=2)
+            with pytest.raises((nats.errors.Error, APIError, TimeoutError)):
+                await producer.js.consumer_info(producer.settings.stream, durable, timeout=2)
             with pytest.raises((nats.errors.Error, TimeoutError)):
                 await producer.js.publish(dead_letters, b"x", timeout=2)
             with pytest.raises((nats.errors.Error, TimeoutError)):
