@@ -8,6 +8,7 @@ Prometheus scraped it from: alerts and dashboards aggregate with `max by (target
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -89,7 +90,9 @@ class StreamingMetrics:
 
 
 METRICS = StreamingMetrics()
-_served: dict[str, int] = {}
+# The port served, per process id: a forked step process inherits this dict but not the thread
+# that serves, so it must serve its own.
+_served: dict[int, int] = {}
 _serve_lock = threading.Lock()
 
 
@@ -107,14 +110,16 @@ def record_check(asset: str, check: str, passed: bool, severity: str) -> None:
 def serve(port: int, host: str = "127.0.0.1") -> int | None:
     """Serves /metrics on `port` once per process; returns the port, or None when not served.
 
-    Port 0 disables it. Several runs may share a machine (a local `dagster dev`), so a port already
-    taken is logged and the run goes on without serving: metrics are never a reason to fail a run.
+    Call it in the process that records (the step process of a streaming run). Port 0 disables it.
+    Several runs may share a machine (a local `dagster dev`), so a port already taken is logged and
+    the run goes on without serving: metrics are never a reason to fail a run.
     """
     if port == 0:
         return None
+    pid = os.getpid()
     with _serve_lock:
-        if "port" in _served:
-            return _served["port"]
+        if pid in _served:
+            return _served[pid]
         try:
             server, _thread = start_http_server(port, addr=host, registry=METRICS.registry)
         except OSError as error:
@@ -122,6 +127,6 @@ def serve(port: int, host: str = "127.0.0.1") -> int | None:
                          "set streaming.metrics_port to another port, or 0", host=host, port=port,
                          error=error.strerror or str(error))
             return None
-        _served["port"] = server.server_address[1]
-        _log.info("streaming metrics served", url=f"http://{host}:{_served['port']}/metrics")
-        return _served["port"]
+        _served[pid] = server.server_address[1]
+        _log.info("streaming metrics served", url=f"http://{host}:{_served[pid]}/metrics")
+        return _served[pid]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import socket
 import urllib.request
 
@@ -94,3 +96,26 @@ def test_serve_answers_with_the_series_once_per_process() -> None:
     assert metrics.serve(free + 1) == free  # a second call keeps the one server
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'siphon_stream_batches_total{table="public.served",target="clickhouse"} 1.0' in body
+
+
+def _serve_in_child(port: int, answer: multiprocessing.connection.Connection) -> None:
+    metrics.record_batch("clickhouse", "public.forked", report(table="public.forked"))
+    served = metrics.serve(port)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{served}/metrics", timeout=5).read().decode()
+    answer.send((served, 'table="public.forked"' in body))
+
+
+def test_a_forked_process_serves_its_own_series() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        parent_port = probe.getsockname()[1]
+    metrics.serve(parent_port)  # served in this process already (or earlier by another test)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        child_port = probe.getsockname()[1]
+    receiving, sending = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_serve_in_child, args=(child_port, sending))
+    child.start()
+    assert receiving.poll(20), "the forked process did not answer"
+    assert receiving.recv() == (child_port, True)
+    child.join(10)
