@@ -65,6 +65,43 @@ def test_every_manifest_values_and_instance_file_parses() -> None:
             assert {"apiVersion", "kind", "metadata"} <= doc.keys(), f"{path.name}: {doc.get('kind')}"
 
 
+def kubernetes_model(kind: str, body: dict[str, Any]) -> Any:
+    """`body` as the Kubernetes client's model of `kind`, refusing any field the API does not have
+    (at every depth), as dagster-k8s checks the run pod settings it is given."""
+    import kubernetes.client
+    from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
+
+    model = getattr(kubernetes.client, kind)
+    return k8s_model_from_dict(model, k8s_snake_case_dict(model, body))
+
+
+def test_the_kubernetes_objects_use_only_fields_of_the_api() -> None:
+    checked = 0
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        for doc in documents(f"kubernetes/{path.name}"):
+            if doc["apiVersion"] in ("v1", "apps/v1"):
+                assert kubernetes_model(f"V1{doc['kind']}", doc).metadata.name == doc["metadata"]["name"]
+                checked += 1
+    assert checked >= 5
+    launcher = helm_values()["runLauncher"]["config"]["k8sRunLauncher"]
+    run = launcher["runK8sConfig"]
+    kubernetes_model("V1Container", {"name": "dagster", **run["containerConfig"]})
+    kubernetes_model("V1PodSpec", {"containers": [], **run["podSpecConfig"]})
+    kubernetes_model("V1JobSpec", {"template": {}, **run["jobSpecConfig"]})
+    kubernetes_model("V1ObjectMeta", run["podTemplateSpecMetadata"])
+    kubernetes_model("V1SecurityContext", launcher["securityContext"])
+    kubernetes_model("V1ResourceRequirements", launcher["resources"])
+    for volume in launcher["volumes"]:
+        kubernetes_model("V1Volume", volume)
+    for mount in launcher["volumeMounts"]:
+        kubernetes_model("V1VolumeMount", mount)
+    (deployment,) = helm_values()["dagster-user-deployments"]["deployments"]
+    kubernetes_model("V1PodSecurityContext", deployment["podSecurityContext"])
+    kubernetes_model("V1ResourceRequirements", deployment["resources"])
+    with pytest.raises(Exception, match="livenesProbe"):
+        kubernetes_model("V1Container", {"name": "x", "livenesProbe": {}})
+
+
 # -- the image ---------------------------------------------------------------------------------
 
 
