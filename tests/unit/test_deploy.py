@@ -186,8 +186,8 @@ def test_the_producer_runs_alone_with_probes_on_its_health_endpoint(monkeypatch:
     assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 120
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= config.producer.publish_retry_seconds
-    # SIGTERM flushes and waits for acks, for up to publish_retry_seconds.
-    assert pod["terminationGracePeriodSeconds"] >= config.producer.publish_retry_seconds
+    # SIGTERM flushes and waits for acks: up to publish_retry_seconds and one publish timeout (30 s at most).
+    assert pod["terminationGracePeriodSeconds"] >= config.producer.publish_retry_seconds + 30
     assert container["args"] == ["siphon-producer", "run", "--config", "/etc/siphon/siphon.yaml"]
     assert container["envFrom"] == [{"secretRef": {"name": "siphon-producer-secrets"}}]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
