@@ -206,6 +206,10 @@ class StreamingConfig(_Model):
     batch_max_bytes: int = Field(default=8_000_000, ge=1024)
     batch_max_wait_seconds: float = Field(default=1.0, gt=0)
     max_failures_before_backoff: int = Field(default=3, ge=1)
+    # Prometheus /metrics of a streaming or snapshot run (siphon_dagster.streaming.metrics); 0: not
+    # served. Each run is a pod in production (9188 there); runs sharing a machine log a taken port.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
 
 
 class SiphonConfig(_Model):
