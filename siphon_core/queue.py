@@ -89,6 +89,9 @@ class JetStreamQueue:
                 f"{naming.application_of_subject(theirs[0])!r} (subjects {theirs[0]}), whose name collides with "
                 f"{self.settings.application_identifier!r}; choose an application_identifier that differs in "
                 "letters or digits")
+        # Retention is the operator's to set (`nats stream edit`); an update must not reset it.
+        for limit in ("max_age", "max_bytes", "max_msgs", "max_msgs_per_subject"):
+            setattr(config, limit, getattr(info.config, limit))
         await self.js.update_stream(config)
 
     async def publish(self, subject: str, payload: bytes, message_id: str, timeout: float = 30.0) -> int:

@@ -27,3 +27,22 @@ def test_colliding_application_identifiers_are_refused_naming_the_other(nats_url
             await intruder.close()
 
     asyncio.run(run())
+
+
+def test_a_retention_limit_set_by_the_operator_survives_a_restart(nats_url: str, unique_name: str) -> None:
+    async def run() -> None:
+        queue = JetStreamQueue(nats_url, StreamSettings(unique_name))
+        await queue.connect()
+        try:
+            await queue.ensure_stream()
+            info = await queue.js.stream_info(queue.settings.stream)
+            info.config.max_age = 7 * 24 * 3600.0
+            info.config.max_bytes = 1 << 30
+            await queue.js.update_stream(info.config)
+            await queue.ensure_stream()  # what every producer and run does when it starts
+            after = (await queue.js.stream_info(queue.settings.stream)).config
+            assert after.max_age == 7 * 24 * 3600.0 and after.max_bytes == 1 << 30
+        finally:
+            await queue.close()
+
+    asyncio.run(run())
