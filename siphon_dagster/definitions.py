@@ -22,7 +22,8 @@ def build_resources(config: SiphonConfig) -> dict[str, object]:
     resources: dict[str, object] = {
         "source": PostgresResource(dsn=config.source.dsn, snapshot_dsn=config.source.snapshot_dsn,
                                    snapshot_spool_directory=config.source.snapshot_spool_directory,
-                                   snapshot_spool_max_bytes=config.source.snapshot_spool_max_bytes),
+                                   snapshot_spool_max_bytes=config.source.snapshot_spool_max_bytes,
+                                   snapshot_wait_limit_seconds=config.source.snapshot_wait_limit_seconds),
         "queue": NatsResource(url=config.queue.url, application_identifier=config.application_identifier,
                               duplicate_window_seconds=config.queue.duplicate_window_seconds,
                               replicas=config.queue.replicas, max_message_bytes=config.queue.max_message_bytes),

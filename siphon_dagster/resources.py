@@ -14,6 +14,7 @@ import psycopg
 from siphon_core.config import ClickHouseTargetConfig, SnowflakeTargetConfig
 from siphon_core.queue import JetStreamQueue, StreamSettings
 from siphon_dagster import source
+from siphon_dagster.snapshot.load import SnapshotSettings
 from siphon_dagster.targets.base import Target
 
 
@@ -24,6 +25,7 @@ class PostgresResource(dg.ConfigurableResource):
     snapshot_dsn: str | None = None
     snapshot_spool_directory: str | None = None
     snapshot_spool_max_bytes: int = 2 << 30
+    snapshot_wait_limit_seconds: float = 1800.0
 
     @property
     def snapshot_source_dsn(self) -> str:
@@ -31,6 +33,11 @@ class PostgresResource(dg.ConfigurableResource):
 
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
         return source.connect(self.dsn, autocommit=True, **kwargs)
+
+    def snapshot_settings(self) -> SnapshotSettings:
+        return SnapshotSettings(dsn=self.snapshot_source_dsn, spool_directory=self.snapshot_spool_directory,
+                                spool_max_bytes=self.snapshot_spool_max_bytes,
+                                wait_limit_seconds=self.snapshot_wait_limit_seconds)
 
 
 class NatsResource(dg.ConfigurableResource):
