@@ -61,6 +61,11 @@ def stream_job_name(target: str, schema: str, table: str) -> str:
     return f"stream_{target}_{job_suffix(schema, table)}"
 
 
+def resync_job_name(schema: str, table: str) -> str:
+    """`resync_notes` for public.notes, `resync_audit__events` for audit.events."""
+    return f"resync_{job_suffix(schema, table)}"
+
+
 def asset_key_path(system: str, schema: str, table: str) -> list[str]:
     return [system, schema, table]
 

@@ -14,6 +14,7 @@ from siphon_dagster.resources import (
     SnowflakeResource,
     SparkResource,
 )
+from siphon_dagster.resync import build_resync_job
 from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
 from siphon_dagster.specs import group_name, table_specs
 
@@ -52,9 +53,11 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
     group = group_name(config.application_identifier)
     stream_jobs = {(target, spec.qualified_name): build_stream_job(spec, target)
                    for spec in specs for target in spec.targets}
+    # Resync jobs: `resync_<table>` rebuilds a table at its targets (siphon_dagster.resync).
+    resync_jobs = [build_resync_job(spec) for spec in specs]
     return dg.Definitions(
         assets=assets,
-        jobs=list(stream_jobs.values()),
+        jobs=list(stream_jobs.values()) + resync_jobs,
         sensors=[
             build_partitions_sensor(specs, group),
             build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),
