@@ -65,11 +65,16 @@ class LoadSummary:
 
 
 def _chain(error: BaseException) -> list[BaseException]:
+    """The error, its causes and the errors it was raised while handling (a clean-up that failed
+    after the connection was lost hides the loss in its context)."""
     seen: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and current not in seen:
+    pending: list[BaseException] = [error]
+    while pending:
+        current = pending.pop()
+        if any(current is s for s in seen):
+            continue
         seen.append(current)
-        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
     return seen
 
 

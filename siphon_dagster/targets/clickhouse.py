@@ -250,6 +250,11 @@ class ClickHouseTarget:
                               sql.convert_text_stage(view, stages.text, base, typed, names.table, "siphon_version"),
                               {"siphon_version": version})
             yield stages
+        except BaseException:
+            # A load cut off mid-stream leaves its session busy at the server for a moment: the
+            # clean-up below then runs in a new session instead of failing on the locked one.
+            self.close()
+            raise
         finally:
             for view in views:
                 self._command(names, "dropping a staging view", f"DROP VIEW IF EXISTS {view}")

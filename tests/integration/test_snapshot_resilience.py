@@ -1,0 +1,161 @@
+"""A range survives a lost source connection; a snapshot that waits for older transactions names them,
+and past its limit fails with that report and leaves no slot behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import dagster as dg
+import psycopg
+import pytest
+import yaml
+
+from siphon_core.config import TableConfig, load_config
+from siphon_dagster.definitions import build_definitions
+from siphon_dagster.partitions import BlockRange
+from siphon_dagster.snapshot.load import (
+    SnapshotSettings,
+    ensure_target_table,
+    is_connection_failure,
+    load_ranges,
+)
+from siphon_dagster.specs import table_specs
+from siphon_dagster.targets import build_target
+from tests.helpers.application import Application
+from tests.helpers.producer import execute, wait_until
+from tests.integration.test_targets_version_rule import target_settings
+
+WHOLE_TABLE = BlockRange(0, (1 << 20) - 1)
+
+
+def _no_snapshot_slots(dsn: str) -> bool:
+    return not execute(dsn, "select slot_name from pg_replication_slots where slot_name like 'siphon_snap_%%'")
+
+
+def test_a_range_whose_copy_is_terminated_is_read_again_and_applied_once(
+        request: pytest.FixtureRequest, app: Application, tmp_path: Path) -> None:
+    app.sql("create table {schema}.wide (id integer primary key, body text)")
+    app.sql("insert into {schema}.wide select g, repeat(md5(g::text), 8) from generate_series(1, 300000) g")
+    config = load_config(_write_config(tmp_path, app, request, "wide", "clickhouse"))
+    destination = build_target("clickhouse", config)
+    table = TableConfig(name=app.qualified("wide"))
+    terminated: list[int] = []
+
+    def terminate_the_copy() -> None:
+        # A real outage of the range's source connection, from another connection: its COPY's
+        # backend is ended as the server ends it on an administrator's command.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not terminated:
+            rows = execute(app.dsn, "select pid from pg_stat_activity where application_name = 'siphon snapshot' "
+                                    "and query like 'COPY%%' and state = 'active'")
+            for (pid,) in rows:
+                execute(app.dsn, "select pg_terminate_backend(%s)", (pid,))
+                terminated.append(pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=terminate_the_copy, daemon=True)
+    warnings: list[str] = []
+    try:
+        killer.start()
+        # A spool that runs 64 KiB ahead of the load at most keeps the COPY open while it loads.
+        summary = load_ranges(SnapshotSettings(dsn=app.dsn, spool_max_bytes=64 << 10), table, [WHOLE_TABLE],
+                              destination, ensure=ensure_target_table(destination, "clickhouse"),
+                              on_warning=warnings.append)
+        killer.join()
+        assert terminated, "the COPY was never seen running"
+        assert summary.retries == 1, warnings
+        assert any("lost its connection" in w and "nothing of it was applied" in w for w in warnings), warnings
+        assert summary.progress.rows == 300000
+        assert len(summary.consistent_points) == 1
+        schema = app.table_schema("wide")
+        assert destination.count_current(schema) == 300000
+        # Exactly once: the table holds one version of each row, all from the attempt that finished.
+        client = destination._connect()  # noqa: SLF001 (reads the versioned table itself)
+        stored = client.query(f"SELECT count(), uniqExact(_siphon_version) FROM `{app.identifier}`."
+                              f"`{app.schema}__wide`").result_rows[0]
+        assert stored == (300000, 1)
+        assert _no_snapshot_slots(app.dsn)
+    finally:
+        destination.close()
+
+
+def test_connection_failures_are_told_from_other_errors(app: Application) -> None:
+    with pytest.raises(psycopg.OperationalError) as refused:
+        psycopg.connect("postgresql://nobody@127.0.0.1:1/x", connect_timeout=2)
+    assert is_connection_failure(refused.value)
+    with pytest.raises(psycopg.errors.UndefinedTable) as missing, psycopg.connect(app.dsn) as connection:
+        connection.execute("select * from no_such_table_here")
+    assert not is_connection_failure(missing.value)
+
+
+def _write_config(tmp_path: Path, app: Application, request: pytest.FixtureRequest, table: str, target: str,
+                  **source: object) -> Path:
+    path = tmp_path / "siphon.yaml"
+    path.write_text(yaml.safe_dump({
+        "application_identifier": app.identifier,
+        "source": {"dsn": app.dsn, **source},
+        "queue": {"url": app.nats_url},
+        "tables": [{"name": app.qualified(table), "blocks_per_partition": 1 << 20}],
+        "targets": {target: target_settings(request, target, app.identifier)},
+    }))
+    return path
+
+
+def _observed_pids(instance: dg.DagsterInstance, key: dg.AssetKey) -> list[list[int]]:
+    records = instance.fetch_observations(key, limit=50).records
+    return [record.asset_observation.metadata["snapshot_wait"].value["blocking_pids"]
+            for record in records if record.asset_observation and "snapshot_wait" in record.asset_observation.metadata]
+
+
+def test_a_snapshot_waiting_for_an_open_transaction_names_it_then_fails_at_its_limit(
+        request: pytest.FixtureRequest, app: Application, tmp_path: Path) -> None:
+    app.sql("create table {schema}.held (id integer primary key, body text)")
+    app.sql("insert into {schema}.held select g, 'b' || g from generate_series(1, 100) g")
+    key = WHOLE_TABLE.key
+    with psycopg.connect(app.dsn) as blocker:
+        # A transaction with a transaction id, open before the snapshot starts: its slot must wait.
+        blocker.execute(f'insert into "{app.schema}".held values (1000, %s)', ("open",))
+        blocker_pid = blocker.info.backend_pid
+
+        config = load_config(_write_config(tmp_path, app, request, "held", "clickhouse"))
+        defs = build_definitions(config)
+        spec_key = dg.AssetKey(["clickhouse", app.schema, "held"])
+        asset = defs.resolve_assets_def(spec_key)
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions(table_specs(config)[0].partitions_def_name, [key])
+            results: list[dg.ExecuteInProcessResult] = []
+            run = threading.Thread(target=lambda: results.append(
+                dg.materialize([asset], partition_key=key, instance=instance, raise_on_error=False)), daemon=True)
+            run.start()
+            wait_until(lambda: any(blocker_pid in pids for pids in _observed_pids(instance, spec_key)), 30,
+                       "a report naming the open transaction")
+            assert run.is_alive() and not results
+            blocker.commit()  # the wait ends with the transaction
+            run.join(60)
+            assert results and results[0].success
+            # The slot's snapshot begins once the blocker has committed: its row is in it.
+            target = build_target("clickhouse", config)
+            try:
+                assert target.count_current(app.table_schema("held")) == 101
+            finally:
+                target.close()
+
+        # With a limit: the run fails with the report, and no slot is left behind.
+        blocker.execute(f'insert into "{app.schema}".held values (1001, %s)', ("open again",))
+        limited = load_config(_write_config(tmp_path, app, request, "held", "clickhouse",
+                                            snapshot_wait_limit_seconds=6))
+        asset = build_definitions(limited).resolve_assets_def(spec_key)
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions(table_specs(config)[0].partitions_def_name, [key])
+            started = time.monotonic()
+            result = dg.materialize([asset], partition_key=key, instance=instance, raise_on_error=False)
+            assert not result.success
+            assert time.monotonic() - started < 40
+            failure = next(e for e in result.all_events if e.is_step_failure)
+            message = failure.step_failure_data.error.to_string()
+            assert f"pid {blocker_pid}" in message and "snapshot_wait_limit_seconds" in message, message
+            assert "no slot was left behind" in message
+        assert _no_snapshot_slots(app.dsn)
+        blocker.rollback()
