@@ -12,8 +12,10 @@ above a range's consistent point committed after that slot was created, so after
 existed, and the stream can only apply a change once it is committed: it finds the shadow and
 writes it there too. Changes at or below the consistent point are in the range's snapshot. Rows in
 blocks past the size read after the shadow was created were written after it existed, so the
-stream brings them. A write that looked the shadow up just before the swap and reaches the old
-name after it fails and is applied again by the stream (it is acked only once applied).
+stream brings them. Around the swap, a write goes to the shadow first and the live table second:
+if the swap comes between the two, the first reached the table that becomes live; if it comes
+before both, the second does (a shadow gone by then is skipped). If the target fails the write,
+the stream applies it again (it acks only what a target committed).
 """
 
 

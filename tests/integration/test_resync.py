@@ -3,7 +3,9 @@ targets, rebuilt without readers of its view ever seeing it empty, and equal to 
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -74,8 +76,12 @@ class ViewSampler:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
+        self.targets = {name: build_target(name, config) for name in TARGETS}
+        for name, target in self.targets.items():  # connected here, before anything else runs
+            self.counts[name].append(target.count_current(table))
+
     def _run(self) -> None:
-        targets = {name: build_target(name, self.config) for name in TARGETS}
+        targets = self.targets
         try:
             while not self.stop.is_set():
                 for name, target in targets.items():
@@ -169,7 +175,9 @@ def test_resync_rebuilds_every_target_under_a_live_stream_without_an_empty_view(
                 return False
 
         wait_until(streaming, 60, "producer streaming")
-        with dg.instance_for_test() as instance:
+        home = tmp_path / "dagster_home"
+        home.mkdir()
+        with dg.DagsterInstance.from_config(str(home)) as instance:
             # Converged and streaming: every partition snapshotted, the stream applied.
             runs.refresh_partitions(instance, config, specs)
             spans = runs.partition_spans(instance, spec, "all")
@@ -190,27 +198,24 @@ def test_resync_rebuilds_every_target_under_a_live_stream_without_an_empty_view(
 
             sampler = ViewSampler(config, table)
             sampler.thread.start()
-            resynced = threading.Event()
-            stream_errors: list[BaseException] = []
-
-            def keep_streaming() -> None:
-                # The stream goes on applying while the resync runs: its batches reach the shadow too.
-                try:
-                    while not resynced.is_set():
-                        run_stream_jobs(defs, specs, instance, max_batches=2)
-                except BaseException as error:
-                    stream_errors.append(error)
-
-            streamer = threading.Thread(target=keep_streaming, daemon=True)
-            streamer.start()
+            # The resync runs as `siphon-dagster resync` in a process of its own, recorded by the same
+            # instance, while this process goes on applying the stream: its batches reach the shadow too.
+            environment = {**os.environ, "DAGSTER_HOME": str(home)}
+            resync = subprocess.Popen([sys.executable, "-m", "siphon_dagster.cli", "--config", str(config_path),
+                                       "resync", "--table", spec.qualified_name],
+                                      env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            started = time.monotonic()
             samples_before = {name: len(sampler.counts[name]) for name in TARGETS}
-            outcome = runs.resync(config, spec, None, instance)
-            resynced.set()
-            streamer.join(300)
-            assert outcome.success
-            assert not stream_errors, stream_errors
-            run = instance.get_run_by_id(outcome.run_id)
-            assert run is not None and run.tags[RESYNC_TAG] == spec.qualified_name
+            batches = 0
+            while resync.poll() is None and time.monotonic() - started < 600:
+                run_stream_jobs(defs, specs, instance, max_batches=2)
+                batches += 1
+            output = resync.communicate(timeout=60)[0]
+            assert resync.returncode == 0, output[-5000:]
+            assert batches >= 1
+            assert "resync of" in output and "done" in output
+            run = instance.get_runs(dg.RunsFilter(job_name=spec.resync_job_name))[0]
+            assert run.status == dg.DagsterRunStatus.SUCCESS and run.tags[RESYNC_TAG] == spec.qualified_name
             for name in TARGETS:
                 records = instance.fetch_materializations(spec.target_key(name), limit=1).records
                 metadata = records[0].asset_materialization.metadata
