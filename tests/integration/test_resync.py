@@ -217,8 +217,8 @@ def test_resync_rebuilds_every_target_under_a_live_stream_without_an_empty_view(
             run = instance.get_runs(dg.RunsFilter(job_name=spec.resync_job_name))[0]
             assert run.status == dg.DagsterRunStatus.SUCCESS and run.tags[RESYNC_TAG] == spec.qualified_name
             for name in TARGETS:
-                records = instance.fetch_materializations(spec.target_key(name), limit=1).records
-                metadata = records[0].asset_materialization.metadata
+                records = instance.fetch_materializations(spec.target_key(name), limit=100).records
+                metadata = next(r for r in records if r.run_id == run.run_id).asset_materialization.metadata
                 assert metadata["resync"].value is True and metadata["dagster/row_count"].value > 2000
 
             time.sleep(1.0)
