@@ -3,6 +3,9 @@ PostgreSQL and ClickHouse, with runs recorded by a Dagster instance."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import dagster as dg
@@ -14,10 +17,12 @@ from siphon_core.config import load_config
 from siphon_dagster import cli, runs
 from siphon_dagster.repair import RepairError, repair_keys
 from siphon_dagster.targets import build_target
+from siphon_dagster.targets.base import TableSchema
 from tests.helpers.application import Application
 from tests.integration.test_targets_version_rule import target_settings
 
 ODD = 'we"ird t.able'
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -104,3 +109,28 @@ def test_snapshot_and_repair_of_a_table_named_with_a_quote_a_space_and_a_dot(
         assert len(runs_recorded) >= 3 and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs_recorded)
     finally:
         target.close()
+
+
+def test_the_resync_job_runs_from_dagsters_own_cli_for_an_odd_name(
+        app: Application, odd_table: Path, tmp_path: Path) -> None:
+    """`dagster job execute -j resync_<table>`: the job's name is a word even when the table's is not."""
+    config = load_config(odd_table)
+    spec = runs.find_spec(config, app.qualified(ODD))
+    home = Path(os.environ["DAGSTER_HOME"])
+    (home / "dagster.yaml").write_text((REPOSITORY / "dagster.yaml").read_text())
+    env = {**os.environ, "SIPHON_CONFIG": str(odd_table)}
+    env.pop("DAGSTER_MODULE_NAME", None)
+    done = subprocess.run([str(Path(sys.executable).parent / "dagster"), "job", "execute", "-m", "siphon_dagster",
+                           "-j", spec.resync_job_name], env=env, cwd=REPOSITORY, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    schema = app.table_schema(ODD)
+    target = build_target("clickhouse", config)
+    try:
+        assert target.current_rows_as_text(schema) == app.rows_as_text(schema)
+        assert not target.describe_columns(TableSchema(schema.schema, f"{ODD}__resync", ()))
+    finally:
+        target.close()
+    runs_recorded = dg.DagsterInstance.get().get_runs(dg.RunsFilter(job_name=spec.resync_job_name))
+    assert [r.status for r in runs_recorded] == [dg.DagsterRunStatus.SUCCESS]
+
