@@ -6,8 +6,8 @@ current-rows view see the old table until the swap and the rebuilt one after it;
 kept wrongly (deleted at the source, changed by hand) do not survive.
 
 Why no stream change is lost: every write of the stream (`apply_rows`, `tombstone_all`) and of a
-live snapshot looks up whether the shadow exists when it is applied, and then writes to the live
-table and the shadow. The shadow is created before any range's slot is: a change with a version
+live snapshot looks up whether the shadow exists when it is applied, and then writes to the shadow
+and the live table. The shadow is created before any range's slot is: a change with a version
 above a range's consistent point committed after that slot was created, so after the shadow
 existed, and the stream can only apply a change once it is committed: it finds the shadow and
 writes it there too. Changes at or below the consistent point are in the range's snapshot. Rows in
