@@ -34,7 +34,8 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     repair.add_argument("--table", required=True, help="schema.table, as in siphon.yaml")
     repair.add_argument("--target", help="clickhouse or snowflake (default: every target of the table)")
     repair.add_argument("--keys-file", required=True,
-                        help="CSV, one key a line: the primary key's columns in order, as PostgreSQL text")
+                        help="CSV, one key a line: the primary key's columns in the table's column order, "
+                             "as PostgreSQL prints them")
 
 
 def read_keys(path: str) -> list[tuple[str, ...]]:

@@ -3,6 +3,7 @@ and past its limit fails with that report and leaves no slot behind."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -135,6 +136,9 @@ def test_a_snapshot_waiting_for_an_open_transaction_names_it_then_fails_at_its_l
             blocker.commit()  # the wait ends with the transaction
             run.join(60)
             assert results and results[0].success
+            warnings = [e.user_message for e in instance.all_logs(results[0].run_id)
+                        if e.level == logging.WARNING and "waited" in e.user_message]
+            assert any(f"pid {blocker_pid}" in w for w in warnings), warnings
             # The slot's snapshot begins once the blocker has committed: its row is in it.
             target = build_target("clickhouse", config)
             try:
