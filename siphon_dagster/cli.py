@@ -10,6 +10,7 @@ then creates it again).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 import dagster as dg
@@ -80,7 +81,8 @@ def _drop_target_table(config: SiphonConfig, spec: TableSpec, target: str) -> in
     finally:
         destination.close()
     print(f"dropped {spec.qualified_name} at {target}; materialize every partition of asset "
-          f"{naming.asset_path_text(target, spec.schema, spec.name)} to load it again")
+          f"{naming.asset_path_text(target, spec.schema, spec.name)} to load it again (siphon-dagster snapshot "
+          f"--table {shlex.quote(spec.qualified_name)} --target {target})")
     return 0
 
 
