@@ -4,6 +4,8 @@ and past its limit fails with that report and leaves no slot behind."""
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import psycopg
 import pytest
 import yaml
 
-from siphon_core.config import TableConfig, load_config
+from siphon_core.config import TableConfig, load_config, parse_config
 from siphon_dagster.definitions import build_definitions
 from siphon_dagster.partitions import BlockRange
 from siphon_dagster.snapshot.load import (
@@ -24,6 +26,7 @@ from siphon_dagster.snapshot.load import (
 )
 from siphon_dagster.specs import table_specs
 from siphon_dagster.targets import build_target
+from siphon_stack.process import free_port, port_accepts, start_process, stop_pid
 from tests.helpers.application import Application
 from tests.helpers.producer import execute, wait_until
 from tests.integration.test_targets_version_rule import target_settings
@@ -80,6 +83,57 @@ def test_a_range_whose_copy_is_terminated_is_read_again_and_applied_once(
         assert _no_snapshot_slots(app.dsn)
     finally:
         destination.close()
+
+
+def test_a_range_whose_target_goes_away_is_loaded_again_once_it_is_back(app: Application, tmp_path: Path) -> None:
+    """A ClickHouse server of this test's own, killed mid-load and started again on its data."""
+    app.sql("create table {schema}.wide (id integer primary key, body text)")
+    app.sql("insert into {schema}.wide select g, repeat(md5(g::text), 8) from generate_series(1, 300000) g")
+    port, data = free_port(), tmp_path / "clickhouse"
+
+    def start() -> int:
+        log = tmp_path / "clickhouse.log"
+        process = start_process("siphon-clickhouse", [sys.executable, "-m", "siphon_stack.clickhouse_server",
+                                                      "--data-dir", str(data), "--port", str(port)], log)
+        wait_until(lambda: port_accepts(port), 90, "the ClickHouse server to listen")
+        return process.pid
+
+    pids = [start()]
+    config = parse_config({"application_identifier": app.identifier, "source": {"dsn": app.dsn},
+                           "tables": [{"name": app.qualified("wide")}],
+                           "targets": {"clickhouse": {"url": f"http://127.0.0.1:{port}", "database": "resilience"}}})
+    destination = build_target("clickhouse", config)
+    outage: list[float] = []
+
+    def kill_and_restart() -> None:
+        wait_until(lambda: bool(execute(app.dsn, "select 1 from pg_stat_activity where application_name = "
+                                                 "'siphon snapshot' and query like 'COPY%%' and state = 'active'")),
+                   60, "the range's COPY")
+        stop_pid(pids[0], sig=signal.SIGKILL)
+        outage.append(time.monotonic())
+        time.sleep(1.0)
+        pids.append(start())
+        outage.append(time.monotonic())
+
+    restarter = threading.Thread(target=kill_and_restart, daemon=True)
+    warnings: list[str] = []
+    try:
+        restarter.start()
+        summary = load_ranges(SnapshotSettings(dsn=app.dsn, spool_max_bytes=64 << 10),
+                              TableConfig(name=app.qualified("wide")), [WHOLE_TABLE], destination,
+                              ensure=ensure_target_table(destination, "clickhouse"), on_warning=warnings.append)
+        restarter.join(120)
+        assert len(outage) == 2, "the server was not restarted"
+        assert summary.retries >= 1, warnings
+        assert summary.progress.rows == 300000
+        stored = destination._connect().query(  # noqa: SLF001 (reads the versioned table itself)
+            f"SELECT count(), uniqExact(_siphon_version) FROM resilience.`{app.schema}__wide`").result_rows[0]
+        assert stored == (300000, 1)
+        assert _no_snapshot_slots(app.dsn)
+    finally:
+        destination.close()
+        for pid in pids:
+            stop_pid(pid)
 
 
 def test_connection_failures_are_told_from_other_errors(app: Application) -> None:
