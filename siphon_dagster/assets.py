@@ -115,7 +115,7 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
                              f"{p.rows / p.seconds:,.0f} rows/s")
 
         try:
-            with _exit_when_orphaned(context):
+            with exit_when_orphaned(context):
                 summary = load_ranges(source_resource.snapshot_settings(), spec.table, ranges, destination,
                                       ensure=ensure_target_table(destination, target, context.log.warning),
                                       on_progress=report, on_info=context.log.info, on_warning=context.log.warning,
@@ -160,7 +160,7 @@ def wait_reporter(context: dg.OpExecutionContext, asset_key: dg.AssetKey) -> Cal
 
 
 @contextmanager
-def _exit_when_orphaned(context: dg.AssetExecutionContext) -> Iterator[None]:
+def exit_when_orphaned(context: dg.OpExecutionContext) -> Iterator[None]:
     """A step in a process of its own (Dagster's multiprocess executor) exits when its run's worker
     dies (kill -9 of `dagster asset materialize`, say): the run is then failed and its pool slot
     given to another snapshot, which must not run beside this one. Nothing of a range whose load
