@@ -43,6 +43,9 @@ class SourceConfig(_Model):
     # released when the COPY ends (siphon_dagster.snapshot.spool); None is the system's temp dir.
     snapshot_spool_directory: str | None = None
     snapshot_spool_max_bytes: int = Field(default=2 << 30, ge=0)
+    # How long a range's snapshot may wait for transactions that were open when it began (its slot
+    # cannot be created before they end) before the run fails naming them; 0 waits for ever.
+    snapshot_wait_limit_seconds: float = Field(default=1800.0, ge=0)
 
     @field_validator("dsn", "snapshot_dsn")
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 
 _NON_ALNUM = re.compile(r"[^A-Za-z0-9]")
 _NON_WORD = re.compile(r"[^A-Za-z0-9_]")
@@ -60,14 +61,14 @@ def asset_path_text(target: str, schema: str, table: str) -> str:
 def resnapshot_advice(target: str, schema: str, table: str) -> str:
     """What brings a target's rows back to the source's values when the stream cannot."""
     return (f"snapshot the table again: materialize every partition of asset {asset_path_text(target, schema, table)} "
-            "(a backfill of all its partitions; the stream goes on meanwhile)")
+            f"(`siphon-dagster snapshot --table {shlex.quote(schema + '.' + table)} --target {target}`; the stream goes on meanwhile)")
 
 
 def rebuild_advice(target: str, schema: str, table: str) -> str:
     """What rebuilds a target table that cannot follow the source's schema."""
     return (f"rebuild it: `siphon-dagster target drop --target {target} --table {schema}.{table}`, then "
-            f"materialize every partition of asset {asset_path_text(target, schema, table)}; the stream then "
-            "resumes where it stopped")
+            f"materialize every partition of asset {asset_path_text(target, schema, table)} (`siphon-dagster "
+            f"snapshot --table {shlex.quote(schema + '.' + table)} --target {target}`); the stream then resumes where it stopped")
 
 
 def stream_job_name(target: str, schema: str, table: str) -> str:

@@ -5,7 +5,7 @@ A target asset's partition is a block range; materializing it re-snapshots exact
 """
 
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,10 +22,11 @@ from siphon_dagster.run_liveness import (
     run_worker_identity,
     stop_when_orphaned,
 )
+from siphon_dagster.snapshot.blockers import WaitReport
+from siphon_dagster.snapshot.load import ensure_target_table, load_ranges
 from siphon_dagster.snapshot.reader import SnapshotProgress
-from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.specs import TableSpec
-from siphon_dagster.targets.base import TableSchema, Target
+from siphon_dagster.targets.base import TableSchema
 
 SNAPSHOT_POOL_PREFIX = "siphon_snapshot"
 
@@ -108,59 +109,58 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         ranges = [parse_key(key, spec.table.blocks_per_partition) for key in context.partition_keys]
         source_resource: PostgresResource = context.resources.source
         destination = getattr(context.resources, resource_key).open_target()
-        progress = SnapshotProgress()
-        consistent_points: list[str] = []
-        ensured: TableSchema | None = None
 
         def report(p: SnapshotProgress) -> None:
             context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, {p.bytes / 1e6:,.1f} MB, "
                              f"{p.rows / p.seconds:,.0f} rows/s")
 
-        def locked_columns() -> TableSchema:
-            # The table is locked against DDL from here on: the columns read now, from the current
-            # catalog, are the ones the COPY reads, whatever was altered since the run started or
-            # the slot was created.
-            nonlocal ensured
-            table, existing = _current_columns(catalog, spec)
-            if table != ensured:
-                _ensure(context, destination, table, existing, target)
-                ensured = table
-            return table
-
         try:
-            dsn = source_resource.snapshot_source_dsn
-            with _exit_when_orphaned(context), source.connect(dsn, autocommit=True) as catalog:
-                for block_range in ranges:
-                    with spooled_range(dsn, spec.schema, spec.name, block_range, locked_columns, progress,
-                                       on_wait=context.log.warning,
-                                       directory=source_resource.snapshot_spool_directory,
-                                       max_ahead_bytes=source_resource.snapshot_spool_max_bytes) as reading:
-                        consistent_points.append(naming.format_lsn(reading.consistent_point))
-                        context.log.info(f"reading blocks {block_range.first_block}..{block_range.last_block} of "
-                                         f"{spec.qualified_name} as of {consistent_points[-1]}")
-                        destination.apply_copy_text(reading.table, reading.chunks(on_progress=report),
-                                                    naming.row_version(reading.consistent_point, 0))
+            with exit_when_orphaned(context):
+                summary = load_ranges(source_resource.snapshot_settings(), spec.table, ranges, destination,
+                                      ensure=ensure_target_table(destination, target, context.log.warning),
+                                      on_progress=report, on_info=context.log.info, on_warning=context.log.warning,
+                                      on_blocked=wait_reporter(context, spec.target_key(target)))
         finally:
             destination.close()
-        report(progress)
+        report(summary.progress)
+        progress = summary.progress
         return dg.MaterializeResult(metadata={
             "dagster/row_count": progress.rows,
-            "dagster/column_schema": column_schema_metadata(ensured) if ensured is not None else None,
+            "dagster/column_schema": column_schema_metadata(summary.table) if summary.table is not None else None,
             "first_block": ranges[0].first_block,
             "last_block": ranges[-1].last_block,
             "partitions": len(ranges),
-            "consistent_point": consistent_points[0] if len(consistent_points) == 1 else
-            f"{consistent_points[0]} .. {consistent_points[-1]}",
+            "consistent_point": summary.consistent_point_text,
             "bytes": dg.MetadataValue.int(progress.bytes),
             "rows_per_second": round(progress.rows / progress.seconds, 1),
             "seconds": round(progress.seconds, 3),
+            "retried_ranges": summary.retries,
         })
 
     return _snapshot
 
 
+def wait_reporter(context: dg.OpExecutionContext, asset_key: dg.AssetKey) -> Callable[[WaitReport], None]:
+    """Says in the run's log, and on the asset at once, which transactions a snapshot waits for.
+
+    The report comes from a watching thread while the step is blocked: an event logged through the
+    step would only be written when the step ends, so the observation goes to the instance directly.
+    """
+
+    def on_blocked(report: WaitReport) -> None:
+        context.log.warning(report.text())
+        context.instance.report_runless_asset_event(dg.AssetObservation(
+            asset_key=asset_key,
+            description=f"run {context.run_id}: snapshot waiting for older transactions to end",
+            metadata={"snapshot_wait": dg.MetadataValue.json(report.metadata()),
+                      "blocking_pids": dg.MetadataValue.text(", ".join(str(b.pid) for b in report.blockers)),
+                      "run_id": context.run_id}))
+
+    return on_blocked
+
+
 @contextmanager
-def _exit_when_orphaned(context: dg.AssetExecutionContext) -> Iterator[None]:
+def exit_when_orphaned(context: dg.OpExecutionContext) -> Iterator[None]:
     """A step in a process of its own (Dagster's multiprocess executor) exits when its run's worker
     dies (kill -9 of `dagster asset materialize`, say): the run is then failed and its pool slot
     given to another snapshot, which must not run beside this one. Nothing of a range whose load
@@ -170,22 +170,3 @@ def _exit_when_orphaned(context: dg.AssetExecutionContext) -> Iterator[None]:
         return
     with stop_when_orphaned(lambda: None, context.log.warning, grace_seconds=ORPHAN_EXIT_SECONDS):
         yield
-
-
-def _current_columns(catalog: Any, spec: TableSpec) -> tuple[TableSchema, dict[str, source.ExistingRowsValue]]:
-    """The table's columns in the current catalog (an autocommit connection: each query sees the
-    catalog as it is now), and what rows older than each column hold in it."""
-    table = source.table_schema(catalog, spec.table)
-    # A snapshot may be the first to meet a column added at the source: rows outside its ranges
-    # must get the value PostgreSQL gave them, as the stream's schema step does.
-    existing = source.existing_rows_values(catalog, table.schema, table.table,
-                                           [c for c in table.columns if not c.primary_key])
-    return table, existing
-
-
-def _ensure(context: dg.AssetExecutionContext, destination: Target, table: TableSchema,
-            existing: dict[str, source.ExistingRowsValue], target: str) -> None:
-    change = destination.ensure_table(table, source.backfill(existing))
-    for name in change.added_columns:
-        if not existing[name].known:
-            context.log.warning(existing[name].unfilled_warning(table.schema, table.table, target))

@@ -1,4 +1,4 @@
-"""`siphon-dagster partitions refresh|list` and `siphon-dagster target drop`.
+"""`siphon-dagster partitions refresh|list`, `target drop`, and `snapshot|resync|repair` (see cli_runs).
 
 `partitions refresh` adds the partitions of every table's current size to the Dagster instance
 (what the partitions sensor does every minute), so a fresh instance can materialize from the CLI at
@@ -10,6 +10,7 @@ then creates it again).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 import dagster as dg
@@ -17,6 +18,7 @@ import dagster as dg
 from siphon_core import naming
 from siphon_core.config import ConfigError, SiphonConfig, load_config, load_config_from_environment
 from siphon_dagster import source
+from siphon_dagster.cli_runs import RUN_COMMANDS, add_run_commands, run_command  # snapshot, resync, repair
 from siphon_dagster.sensors import partition_requests
 from siphon_dagster.specs import TableSpec, table_specs
 from siphon_dagster.targets import build_target
@@ -34,12 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("action", choices=("drop",))
     target.add_argument("--target", required=True, help="clickhouse or snowflake")
     target.add_argument("--table", required=True, help="schema.table, as in siphon.yaml")
+    add_run_commands(sub)
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config) if args.config else load_config_from_environment()
     except ConfigError as error:
         print(f"siphon-dagster: {error}", file=sys.stderr)
         return 2
+    if args.command in RUN_COMMANDS:
+        return run_command(args, config)
     specs = table_specs(config)
     if args.table:
         specs = [s for s in specs if s.qualified_name == args.table]
@@ -76,7 +81,8 @@ def _drop_target_table(config: SiphonConfig, spec: TableSpec, target: str) -> in
     finally:
         destination.close()
     print(f"dropped {spec.qualified_name} at {target}; materialize every partition of asset "
-          f"{naming.asset_path_text(target, spec.schema, spec.name)} to load it again")
+          f"{naming.asset_path_text(target, spec.schema, spec.name)} to load it again (siphon-dagster snapshot "
+          f"--table {shlex.quote(spec.qualified_name)} --target {target})")
     return 0
 
 

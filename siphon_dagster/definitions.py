@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dagster as dg
 
-from siphon_core import naming
 from siphon_core.config import SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
 from siphon_dagster.gap_sensor import build_gap_sensor
@@ -16,6 +15,7 @@ from siphon_dagster.resources import (
     SnowflakeResource,
     SparkResource,
 )
+from siphon_dagster.resync import build_resync_job
 from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
 from siphon_dagster.specs import group_name, table_specs
 
@@ -43,14 +43,13 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
     group = group_name(config.application_identifier)
     stream_jobs = {(target, spec.qualified_name): build_stream_job(spec, target)
                    for spec in specs for target in spec.targets}
-    jobs: list[dg.JobDefinition] = list(stream_jobs.values())
-    # -- lost replication slots: the gap sensor requests each table's resync_<table> job, found here
-    # by name among the jobs; a gap waits (logged) while a table has none.
-    resync_jobs = {spec.qualified_name: job for spec in specs for job in jobs
-                   if job.name == naming.resync_job_name(spec.schema, spec.name)}
+    # Resync jobs: `resync_<table>` rebuilds a table at its targets (siphon_dagster.resync); the gap
+    # sensor requests them all after a lost slot.
+    resync_job_list = [build_resync_job(spec) for spec in specs]
+    resync_jobs = {spec.qualified_name: job for spec, job in zip(specs, resync_job_list, strict=True)}
     return dg.Definitions(
         assets=assets,
-        jobs=jobs,
+        jobs=list(stream_jobs.values()) + resync_job_list,
         sensors=[
             build_partitions_sensor(specs, group),
             build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),

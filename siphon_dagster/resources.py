@@ -25,6 +25,7 @@ from siphon_core.config import (
 )
 from siphon_core.queue import JetStreamQueue, StreamSettings
 from siphon_dagster import source
+from siphon_dagster.snapshot.load import SnapshotSettings
 from siphon_dagster.targets.base import Target
 
 
@@ -54,8 +55,17 @@ class PostgresResource(dg.ConfigurableResource):
     def snapshot_spool_max_bytes(self) -> int:
         return self.config.snapshot_spool_max_bytes
 
+    @property
+    def snapshot_wait_limit_seconds(self) -> float:
+        return self.config.snapshot_wait_limit_seconds
+
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
         return source.connect(self.dsn, autocommit=True, **kwargs)
+
+    def snapshot_settings(self) -> SnapshotSettings:
+        return SnapshotSettings(dsn=self.snapshot_source_dsn, spool_directory=self.snapshot_spool_directory,
+                                spool_max_bytes=self.snapshot_spool_max_bytes,
+                                wait_limit_seconds=self.snapshot_wait_limit_seconds)
 
 
 class NatsResource(dg.ConfigurableResource):

@@ -62,6 +62,10 @@ class TableSpec:
         return naming.stream_job_name(target, self.schema, self.name)
 
     @property
+    def resync_job_name(self) -> str:
+        return naming.resync_job_name(self.schema, self.name)
+
+    @property
     def tags(self) -> dict[str, str]:
         return {"siphon/application": re.sub(r"[^A-Za-z0-9_.-]", "_", self.application_identifier)}
 

@@ -23,6 +23,12 @@ from psycopg import pq, sql
 from siphon_core.logs import get_logger
 from siphon_core.replication import ReplicationConnection, ReplicationError, SlotInfo
 from siphon_dagster.partitions import BlockRange
+from siphon_dagster.snapshot.blockers import (
+    CHECK_SECONDS,
+    SnapshotWaitLimitError,
+    WaitReport,
+    watch_slot_wait,
+)
 from siphon_dagster.source import connect
 from siphon_dagster.targets.base import TableSchema
 
@@ -55,15 +61,29 @@ def _slot_is_unavailable(error: ReplicationError) -> bool:
 
 @contextmanager
 def exported_snapshot(dsn: str, wait_seconds: float = 600.0,
-                      on_wait: Callable[[str], None] | None = None) -> Iterator[SlotInfo]:
-    """A temporary pgoutput slot with an exported snapshot, valid until the block exits."""
+                      on_wait: Callable[[str], None] | None = None, *, table: str = "a table",
+                      wait_limit_seconds: float = 0.0,
+                      on_blocked: Callable[[WaitReport], None] | None = None,
+                      check_seconds: float = CHECK_SECONDS) -> Iterator[SlotInfo]:
+    """A temporary pgoutput slot with an exported snapshot, valid until the block exits.
+
+    While the slot's creation waits for older transactions, `on_blocked` (default: `on_wait` with
+    the report's text) hears which backends hold it; past `wait_limit_seconds` (0: no limit) the
+    creation is ended and SnapshotWaitLimitError raised.
+    """
     deadline = time.monotonic() + wait_seconds
     name = f"siphon_snap_{uuid.uuid4().hex[:16]}"
+    report = on_blocked or (lambda r: (on_wait or log.warning)(r.text()))
     while True:
         replication = ReplicationConnection(dsn, application_name="siphon snapshot")
         try:
-            slot = replication.create_slot(name, temporary=True, export_snapshot=True)
+            with watch_slot_wait(dsn, table, replication.backend_pid, name, wait_limit_seconds, report,
+                                 check_seconds):
+                slot = replication.create_slot(name, temporary=True, export_snapshot=True)
             break
+        except SnapshotWaitLimitError:
+            replication.close()
+            raise
         except ReplicationError as error:
             replication.close()
             if not _slot_is_unavailable(error) or time.monotonic() > deadline:
@@ -75,6 +95,9 @@ def exported_snapshot(dsn: str, wait_seconds: float = 600.0,
             message = f"no free replication slot on the source ({error}); waiting"
             (on_wait or log.warning)(message)
             time.sleep(5.0)
+        except BaseException:
+            replication.close()
+            raise
     try:
         yield slot
     finally:

@@ -25,6 +25,7 @@ import psycopg
 
 from siphon_core.logs import get_logger
 from siphon_dagster.partitions import BlockRange
+from siphon_dagster.snapshot.blockers import WaitReport
 from siphon_dagster.snapshot.reader import (
     SnapshotProgress,
     exported_snapshot,
@@ -145,7 +146,8 @@ class SpooledRange:
 def spooled_range(dsn: str, schema: str, table: str, block_range: BlockRange,
                   columns: Callable[[], TableSchema], progress: SnapshotProgress,
                   on_wait: Callable[[str], None] | None = None, directory: str | None = None,
-                  max_ahead_bytes: int = MAX_AHEAD_BYTES) -> Iterator[SpooledRange]:
+                  max_ahead_bytes: int = MAX_AHEAD_BYTES, wait_limit_seconds: float = 0.0,
+                  on_blocked: Callable[[WaitReport], None] | None = None) -> Iterator[SpooledRange]:
     """Reads `block_range` under a temporary slot's exported snapshot, holding the table's lock
     until its COPY ends, and hands the chunks on through a spool file in `directory`.
 
@@ -158,7 +160,9 @@ def spooled_range(dsn: str, schema: str, table: str, block_range: BlockRange,
     reader: threading.Thread | None = None
     released = threading.Event()
     try:
-        slot = source.enter_context(exported_snapshot(dsn, on_wait=on_wait))
+        slot = source.enter_context(exported_snapshot(dsn, on_wait=on_wait, table=f"{schema}.{table}",
+                                                      wait_limit_seconds=wait_limit_seconds,
+                                                      on_blocked=on_blocked))
         reading = source.enter_context(snapshot_transaction(dsn, slot.snapshot_name, schema, table))
         read_columns = columns()
         spool = _Spool(directory, max_ahead_bytes)

@@ -9,7 +9,7 @@ needs no read-modify-write: the table's version column decides, whatever the ins
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +117,20 @@ class ClickHouseTarget:
         return bool(int(self._command(names, "looking for a resync table", f"EXISTS TABLE {names.shadow}")))
 
     def _write_targets(self, names: sql.TableNames) -> list[str]:
-        return [names.live] + ([names.shadow] if self._shadow_exists(names) else [])
+        # The resync table first, then the live one: a swap between the two writes leaves the rows
+        # in the table that ends up live either way (see siphon_dagster.resync).
+        return ([names.shadow] if self._shadow_exists(names) else []) + [names.live]
+
+    def _write_each(self, names: sql.TableNames, targets: Sequence[str], write: Callable[[str], object]) -> None:
+        for target in targets:
+            try:
+                write(target)
+            except TargetError:
+                # The resync table went (swapped in and dropped, or abandoned) after it was looked
+                # up: the live write that follows reaches the table that is live now.
+                if target == names.shadow and not self._shadow_exists(names):
+                    continue
+                raise
 
     def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
         sql.check_columns(table)
@@ -224,9 +237,8 @@ class ClickHouseTarget:
                 self._connect().insert_arrow(stage, staged)
             except ClickHouseError as error:
                 raise TargetError(names.describe(f"staging {rows.num_rows} rows failed: {error}")) from error
-            for target in self._write_targets(names):
-                self._command(names, "applying a batch", sql.insert_from_stage(target, stage, table),
-                              settings=BATCH_INSERT_SETTINGS)
+            self._write_each(names, self._write_targets(names), lambda target: self._command(
+                names, "applying a batch", sql.insert_from_stage(target, stage, table), settings=BATCH_INSERT_SETTINGS))
         return rows.num_rows
 
     @contextmanager
@@ -248,6 +260,11 @@ class ClickHouseTarget:
                               sql.convert_text_stage(view, stages.text, base, typed, names.table, "siphon_version"),
                               {"siphon_version": version})
             yield stages
+        except BaseException:
+            # A load cut off mid-stream leaves its session busy at the server for a moment: the
+            # clean-up below then runs in a new session instead of failing on the locked one.
+            self.close()
+            raise
         finally:
             for view in views:
                 self._command(names, "dropping a staging view", f"DROP VIEW IF EXISTS {view}")
@@ -287,8 +304,9 @@ class ClickHouseTarget:
             if staged != expected:
                 # A transport retry could resend only the rest of a stream: never apply a partial load.
                 raise TargetError(names.describe(f"staged {staged} rows of {expected} sent; the snapshot must be retried"))
-            for target, typed in stages.typed:
-                self._command(names, "applying a snapshot", sql.attach_stage(target, typed))
+            typed_of = dict(stages.typed)
+            self._write_each(names, targets, lambda target: self._command(
+                names, "applying a snapshot", sql.attach_stage(target, typed_of[target])))
         return expected
 
     def tombstone_all(self, table: TableSchema, version: int) -> int:
@@ -300,8 +318,8 @@ class ClickHouseTarget:
             f"SELECT count() FROM {names.view} WHERE {sql.quote(sql.VERSION_COLUMN)} < {{siphon_version:UInt128}}",
             parameters,
         )[0][0]
-        for target in self._write_targets(names):
-            self._command(names, "tombstoning every row", sql.tombstone_keys(target, table, "siphon_version"), parameters)
+        self._write_each(names, self._write_targets(names), lambda target: self._command(
+            names, "tombstoning every row", sql.tombstone_keys(target, table, "siphon_version"), parameters))
         self._command(names, "recording the truncate", sql.record_truncation(names, "siphon_version"), parameters)
         return int(count)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import islice
 from typing import Any
@@ -222,11 +222,24 @@ class SnowflakeTarget:
         return total
 
     def _merge(self, names: sql.TableNames, stage: str, targets: Sequence[str]) -> None:
-        for target in targets:
-            self._execute(names, "merging a batch", sql.merge(target, stage, names.table))
+        self._write_each(names, targets,
+                         lambda target: self._execute(names, "merging a batch", sql.merge(target, stage, names.table)))
 
     def _write_targets(self, names: sql.TableNames) -> list[str]:
-        return [names.live] + ([names.shadow] if self._shadow_exists(names) else [])
+        # The resync table first, then the live one: a swap between the two writes leaves the rows
+        # in the table that ends up live either way (see siphon_dagster.resync).
+        return ([names.shadow] if self._shadow_exists(names) else []) + [names.live]
+
+    def _write_each(self, names: sql.TableNames, targets: Sequence[str], write: Callable[[str], object]) -> None:
+        for target in targets:
+            try:
+                write(target)
+            except TargetError:
+                # The resync table went (swapped in and dropped, or abandoned) after it was looked
+                # up: the live write that follows reaches the table that is live now.
+                if target == names.shadow and not self._shadow_exists(names):
+                    continue
+                raise
 
     def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
         if rows.num_rows == 0:
@@ -274,8 +287,8 @@ class SnowflakeTarget:
             f"SELECT COUNT(*) FROM {names.view} WHERE {sql.quote(sql.VERSION_COLUMN)} < CAST(? AS {sql.VERSION_TYPE})",
             (str(version),),
         )[0][0]
-        for target in self._write_targets(names):
-            self._execute(names, "tombstoning every row", sql.tombstone_all(target), (str(version), str(version)))
+        self._write_each(names, self._write_targets(names), lambda target: self._execute(
+            names, "tombstoning every row", sql.tombstone_all(target), (str(version), str(version))))
         self._execute(names, "recording the truncate", sql.record_truncation(names), (str(version),))
         return int(count)
 

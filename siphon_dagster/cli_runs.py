@@ -1,0 +1,80 @@
+"""`siphon-dagster snapshot|resync|repair`: runs through Dagster, recorded by the $DAGSTER_HOME instance.
+
+Tables are named as in siphon.yaml (`--table 'public.my "odd" table'`); every name the
+configuration accepts works, including those `dagster asset materialize --select` cannot spell.
+Exit status: 0 done, 1 a run failed, 2 bad input (the message says what the configuration has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import dagster as dg
+
+from siphon_core.config import SiphonConfig
+from siphon_dagster import runs
+from siphon_dagster.repair import RepairError, repair_keys
+
+RUN_COMMANDS = ("snapshot", "resync", "repair")
+
+
+def add_run_commands(sub: argparse._SubParsersAction) -> None:
+    snapshot = sub.add_parser("snapshot", help="snapshot block-range partitions of a table again")
+    snapshot.add_argument("--table", required=True, help="schema.table, as in siphon.yaml")
+    snapshot.add_argument("--target", help="clickhouse or snowflake (default: every target of the table)")
+    snapshot.add_argument("--partitions", default="all",
+                          help="all (default), FIRST...LAST, or one key such as 00000000-00008191")
+    resync = sub.add_parser("resync", help="rebuild a table at its targets (the resync_<table> job)")
+    resync.add_argument("--table", required=True, help="schema.table, as in siphon.yaml")
+    resync.add_argument("--target", help="clickhouse or snowflake (default: every target of the table)")
+    repair = sub.add_parser("repair", help="bring rows named by primary key back to the source's")
+    repair.add_argument("--table", required=True, help="schema.table, as in siphon.yaml")
+    repair.add_argument("--target", help="clickhouse or snowflake (default: every target of the table)")
+    repair.add_argument("--keys-file", required=True,
+                        help="CSV, one key a line: the primary key's columns in the table's column order, "
+                             "as PostgreSQL prints them")
+
+
+def read_keys(path: str) -> list[tuple[str, ...]]:
+    try:
+        with Path(path).open(newline="") as file:
+            return [tuple(row) for row in csv.reader(file) if row]
+    except OSError as error:
+        raise runs.SelectionError(f"cannot read keys file {path}: {error}") from None
+
+
+def run_command(args: argparse.Namespace, config: SiphonConfig) -> int:
+    try:
+        spec = runs.find_spec(config, args.table)
+        targets = runs.choose_targets(spec, args.target)
+        keys = read_keys(args.keys_file) if args.command == "repair" else []
+        instance = dg.DagsterInstance.get()
+        if args.command == "snapshot":
+            added = runs.refresh_partitions(instance, config, [spec])
+            if added:
+                print(f"added {added} partitions of {spec.qualified_name}")
+            spans = runs.partition_spans(instance, spec, args.partitions)
+            ok = True
+            for target in targets:
+                for outcome in runs.snapshot(config, spec, target, spans, instance):
+                    ok &= outcome.success
+                    print(f"{spec.qualified_name} at {target}, partitions {outcome.first_partition}..."
+                          f"{outcome.last_partition}: {'done' if outcome.success else 'FAILED'} (run {outcome.run_id})")
+            return 0 if ok else 1
+        if args.command == "resync":
+            outcome = runs.resync(config, spec, [args.target] if args.target else None, instance)
+            print(f"resync of {spec.qualified_name} at {', '.join(targets)}: "
+                  f"{'done' if outcome.success else 'FAILED'} (run {outcome.run_id})")
+            return 0 if outcome.success else 1
+        ok = True
+        for target in targets:
+            summary = repair_keys(config, spec, target, keys, instance)
+            print(summary.text())
+            ok &= summary.success
+        return 0 if ok else 1
+    except (runs.SelectionError, RepairError) as error:
+        print(f"siphon-dagster: {error}", file=sys.stderr)
+        return 2

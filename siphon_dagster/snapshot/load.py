@@ -1,0 +1,205 @@
+"""Loads block ranges of one table into one target: the snapshot asset's and the resync's loop.
+
+Each range is read under its own temporary slot and applied whole or not at all (see
+`Target.apply_copy_text`), so a range that loses its source or target connection is simply read
+and loaded again: a few attempts with backoff over about two minutes, for connection failures
+only. Anything else (SQL, configuration, a wait past its limit) fails at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import tenacity
+
+from siphon_core import naming
+from siphon_core.config import TableConfig
+from siphon_core.logs import get_logger
+from siphon_core.replication import ReplicationError
+from siphon_dagster import source
+from siphon_dagster.partitions import BlockRange
+from siphon_dagster.snapshot.blockers import SnapshotWaitLimitError, WaitReport
+from siphon_dagster.snapshot.reader import SnapshotProgress
+from siphon_dagster.snapshot.spool import MAX_AHEAD_BYTES, spooled_range
+from siphon_dagster.targets.base import TableSchema, Target
+
+log = get_logger("snapshot")
+
+RETRY_ATTEMPTS = 5
+RETRY_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class SnapshotSettings:
+    """Where and how ranges are read (source.* in siphon.yaml)."""
+
+    dsn: str
+    spool_directory: str | None = None
+    spool_max_bytes: int = MAX_AHEAD_BYTES
+    wait_limit_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = RETRY_ATTEMPTS
+    seconds: float = RETRY_SECONDS
+    first_wait_seconds: float = 2.0
+    max_wait_seconds: float = 30.0
+
+
+@dataclass
+class LoadSummary:
+    progress: SnapshotProgress = field(default_factory=SnapshotProgress)
+    consistent_points: list[int] = field(default_factory=list)
+    table: TableSchema | None = None  # the columns last loaded
+    retries: int = 0
+
+    @property
+    def consistent_point_text(self) -> str:
+        points = [naming.format_lsn(p) for p in self.consistent_points]
+        if not points:
+            return ""
+        return points[0] if len(points) == 1 else f"{points[0]} .. {points[-1]}"
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The error, its causes and the errors it was raised while handling (a clean-up that failed
+    after the connection was lost hides the loss in its context)."""
+    seen: list[BaseException] = []
+    pending: list[BaseException] = [error]
+    while pending:
+        current = pending.pop()
+        if any(current is s for s in seen):
+            continue
+        seen.append(current)
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return seen
+
+
+def _sqlstate_is_connection(sqlstate: str | None) -> bool:
+    # None: the client lost the connection; 08: connection exception; 57P: the server shut the
+    # session down (admin shutdown, crash recovery, cannot connect now).
+    return sqlstate is None or sqlstate.startswith(("08", "57P"))
+
+
+def is_connection_failure(error: BaseException) -> bool:
+    """True when `error` (or what caused it) is a lost or refused connection to the source or a target."""
+    if isinstance(error, SnapshotWaitLimitError):
+        return False
+    for failure in _chain(error):
+        if isinstance(failure, psycopg.OperationalError) and _sqlstate_is_connection(failure.sqlstate):
+            return True
+        if isinstance(failure, ReplicationError) and (
+                failure.sqlstate is not None and _sqlstate_is_connection(failure.sqlstate)
+                or "cannot open a replication connection" in str(failure)):
+            return True
+        if isinstance(failure, ConnectionError | TimeoutError):
+            return True
+        if _is_target_connection_error(failure):
+            return True
+    return False
+
+
+def _is_target_connection_error(failure: BaseException) -> bool:
+    kind = type(failure)
+    # The drivers' own connection errors: HTTP for ClickHouse (clickhouse-connect raises its
+    # OperationalError on a refused or dropped connection), the connector's for Snowflake.
+    if kind.__module__.startswith("clickhouse_connect") and kind.__name__ == "OperationalError":
+        return True
+    if kind.__module__.startswith("snowflake.connector") and kind.__name__ == "OperationalError":
+        return True
+    return kind.__module__.startswith("urllib3") and kind.__name__ in (
+        "NewConnectionError", "ProtocolError", "MaxRetryError", "ConnectTimeoutError")
+
+
+def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence[BlockRange], destination: Target,
+                *, shadow: bool = False, ensure: Callable[[TableSchema, dict[str, source.ExistingRowsValue]], None],
+                on_progress: Callable[[SnapshotProgress], None] | None = None,
+                on_info: Callable[[str], None] = log.info, on_warning: Callable[[str], None] = log.warning,
+                on_blocked: Callable[[WaitReport], None] | None = None,
+                retry: RetryPolicy = RetryPolicy()) -> LoadSummary:
+    """Loads `ranges` of `table` into `destination` (its resync shadow when `shadow`), one after another.
+
+    `ensure(columns, existing)` runs, with the table locked, whenever the columns read differ from
+    those of the range before: it makes the target table follow them (see `ensure_target_table`).
+    """
+    summary = LoadSummary()
+    ensured: list[TableSchema | None] = [None]
+
+    def load_one(block_range: BlockRange) -> None:
+        rows, size = summary.progress.rows, summary.progress.bytes
+        try:
+            with source.connect(settings.dsn, autocommit=True) as catalog:
+
+                def locked_columns() -> TableSchema:
+                    # The table is locked against DDL from here on: the columns read now, from the
+                    # current catalog, are the ones the COPY reads.
+                    columns, existing = current_columns(catalog, table)
+                    if columns != ensured[0]:
+                        ensure(columns, existing)
+                        ensured[0] = columns
+                    return columns
+
+                with spooled_range(settings.dsn, table.schema_name, table.table_name, block_range, locked_columns,
+                                   summary.progress, on_wait=on_warning, directory=settings.spool_directory,
+                                   max_ahead_bytes=settings.spool_max_bytes,
+                                   wait_limit_seconds=settings.wait_limit_seconds, on_blocked=on_blocked) as reading:
+                    point = naming.format_lsn(reading.consistent_point)
+                    on_info(f"reading blocks {block_range.first_block}..{block_range.last_block} of {table.name} "
+                            f"as of {point}" + (" into the resync table" if shadow else ""))
+                    destination.apply_copy_text(reading.table, reading.chunks(on_progress=on_progress),
+                                                naming.row_version(reading.consistent_point, 0), shadow=shadow)
+                    summary.consistent_points.append(reading.consistent_point)
+        except BaseException:
+            # Nothing of the failed attempt was applied: its rows do not count.
+            summary.progress.rows, summary.progress.bytes = rows, size
+            raise
+
+    def before_retry(state: tenacity.RetryCallState) -> None:
+        summary.retries += 1
+        error = state.outcome.exception() if state.outcome else None
+        on_warning(f"{table.name}: a range lost its connection ({error}); nothing of it was applied, reading it "
+                   f"again in {state.upcoming_sleep:.0f}s (attempt {state.attempt_number + 1} of {retry.attempts})")
+        destination.close()  # the next attempt opens a fresh connection
+
+    for block_range in ranges:
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_connection_failure),
+            stop=tenacity.stop_after_attempt(retry.attempts) | tenacity.stop_after_delay(retry.seconds),
+            wait=tenacity.wait_exponential(multiplier=retry.first_wait_seconds, min=retry.first_wait_seconds,
+                                           max=retry.max_wait_seconds),
+            before_sleep=before_retry,
+            reraise=True,
+        )
+        retrying(load_one, block_range)
+    summary.table = ensured[0]
+    return summary
+
+
+def current_columns(catalog: Any, table: TableConfig) -> tuple[TableSchema, dict[str, source.ExistingRowsValue]]:
+    """The table's columns in the current catalog (an autocommit connection: each query sees the
+    catalog as it is now), and what rows older than each column hold in it."""
+    columns = source.table_schema(catalog, table)
+    # A snapshot may be the first to meet a column added at the source: rows outside its ranges
+    # must get the value PostgreSQL gave them, as the stream's schema step does.
+    existing = source.existing_rows_values(catalog, columns.schema, columns.table,
+                                           [c for c in columns.columns if not c.primary_key])
+    return columns, existing
+
+
+def ensure_target_table(destination: Target, target: str, on_warning: Callable[[str], None] = log.warning
+                        ) -> Callable[[TableSchema, dict[str, source.ExistingRowsValue]], None]:
+    """The usual `ensure` of `load_ranges`: creates the target table or adds the source's new
+    columns (to the live table and a resync table alike), warning about columns it cannot fill."""
+
+    def ensure(columns: TableSchema, existing: dict[str, source.ExistingRowsValue]) -> None:
+        change = destination.ensure_table(columns, source.backfill(existing))
+        for name in change.added_columns:
+            if not existing[name].known:
+                on_warning(existing[name].unfilled_warning(columns.schema, columns.table, target))
+
+    return ensure
+
