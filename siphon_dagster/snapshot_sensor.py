@@ -106,7 +106,9 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
                     "longer each time), and records each table's state on its target asset when it changes. "
                     "The cursor holds each table's load in progress and failed partitions' attempts.",
     )
-    def _snapshots(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+    def _snapshots(context: dg.SensorEvaluationContext, **_resources: Any) -> dg.SensorResult:
+        # The resources are read from the context (which targets there are depends on the
+        # configuration); a direct call also passes them by name, hence `_resources`.
         state: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
         added_requests, added = _missing_partitions(context, specs)
         probes = {target: TargetProbe(target, getattr(context.resources, f"{target}_target"), context.log)
