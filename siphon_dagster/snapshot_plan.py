@@ -75,14 +75,16 @@ class Partitions:
 
 def plan_table(partitions: Partitions, entry: Mapping[str, Any], *, load_runs: Mapping[str, str],
                table_missing: Callable[[], bool | None], now: float, auto_load: bool, max_attempts: int,
-               first_retry_delay: float, table_check_seconds: float = 0.0) -> Plan:
+               first_retry_delay: float, table_check_seconds: float = 0.0, dropped: bool = False) -> Plan:
     """The requests for one (target, table) and its next cursor entry.
 
     `load_runs` maps each partition that a run of the current load covers to RUN_ACTIVE or
     RUN_ENDED. `table_missing()` asks the target whether the table is absent: None when the
     target cannot be reached, and then nothing is requested (the run would only fail, spending an
     attempt); it is asked only when the answer matters, and a loaded table's presence at most
-    every `table_check_seconds` (each question is a query at the target).
+    every `table_check_seconds` (each question is a query at the target). `dropped` says that an
+    operator dropped the table at the target since the last tick (`siphon-dagster target drop`):
+    every partition not running is then loaded again, failed ones included.
     """
     plan = Plan()
     reachable: list[bool | None] = []
@@ -99,7 +101,14 @@ def plan_table(partitions: Partitions, entry: Mapping[str, Any], *, load_runs: M
                                     max_attempts=max_attempts, first_delay=first_retry_delay)
     load = entry.get("load")
     checked_at = entry.get("checked_at", 0.0)
-    if load is None:
+    if dropped and auto_load and partitions.keys and can_request():
+        # A stream may have made the table again already: the drop, not the target, is the signal.
+        load = {"at": now}
+        plan.load = [k for k in partitions.keys if k not in partitions.in_progress]
+        plan.load_started = True
+        plan.retries = []
+        plan.entry["failed"] = {k: r for k, r in plan.entry["failed"].items() if k in partitions.in_progress}
+    elif load is None:
         quiet = not partitions.in_progress and not partitions.failed and partitions.keys
         new = not partitions.materialized
         due = now - checked_at >= table_check_seconds

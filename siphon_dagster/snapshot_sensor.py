@@ -49,7 +49,34 @@ SNAPSHOT_PRIORITY = "-1"
 # How often a loaded table's presence at its target is checked (a query per table at the target).
 TABLE_CHECK_SECONDS = 120.0
 
+# Metadata of the observation `siphon-dagster target drop` records on the target asset.
+DROPPED_METADATA = "siphon/dropped"
+_DROP_LOOKBACK = 100
+
 _STATUS = {"MATERIALIZED": MATERIALIZED, "FAILED": FAILED, "IN_PROGRESS": IN_PROGRESS}
+
+
+def record_drop(instance: dg.DagsterInstance, asset_key: dg.AssetKey, what: str) -> None:
+    """Tells the snapshot sensor that a table was dropped at a target, so that it loads it again
+    even when a streaming run has created it anew before the sensor looked."""
+    instance.report_runless_asset_event(dg.AssetObservation(
+        asset_key=asset_key, description=f"{what} dropped; the snapshot sensor loads it again",
+        metadata={DROPPED_METADATA: True}))
+
+
+def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int | None) -> tuple[bool, int | None]:
+    """Whether a drop was recorded after the observation `seen` (a storage id), and the latest
+    observation's id. The first look only sets that mark: an older drop was followed by a load."""
+    filters = dg.AssetRecordsFilter(asset_key=asset_key, after_storage_id=seen)
+    records = instance.fetch_observations(filters, limit=_DROP_LOOKBACK).records
+    if not records:
+        return False, seen
+    latest = max(record.storage_id for record in records)
+    if seen is None:
+        return False, latest
+    dropped = any(record.asset_observation is not None and DROPPED_METADATA in record.asset_observation.metadata
+                  for record in records)
+    return dropped, latest
 
 
 def table_id(spec: TableSpec, target: str) -> str:
@@ -170,10 +197,16 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     status = {key: _STATUS.get(value.name) if value is not None else None for key, value in statuses.items()}
     load_runs = _load_runs(instance, name, entry.get("load"))
     partitions = Partitions.of(keys, status, load_runs)
+    dropped, seen = _drops_since(instance, asset_key, entry.get("seen"))
     now = time.time()
     plan = plan_table(partitions, entry, load_runs=load_runs, table_missing=lambda: probe.table_missing(spec),
                       now=now, auto_load=settings.auto_load, max_attempts=settings.max_attempts,
-                      first_retry_delay=settings.retry_delay_seconds, table_check_seconds=table_check_seconds)
+                      first_retry_delay=settings.retry_delay_seconds, table_check_seconds=table_check_seconds,
+                      dropped=dropped)
+    if dropped and settings.auto_load and not plan.load_started:
+        seen = entry.get("seen")  # not acted on (the target did not answer): looked at again next tick
+    if seen is not None:
+        plan.entry["seen"] = seen
     requests = []
     if plan.load_started:
         context.log.info(f"{name}: loading all {len(plan.load)} partitions")

@@ -13,7 +13,7 @@ from psycopg import sql
 from siphon_core.config import parse_config
 from siphon_dagster import source
 from siphon_dagster.definitions import build_definitions, build_resources
-from siphon_dagster.snapshot_sensor import AUTOLOAD_TAG, LOAD_TAG, build_snapshot_sensor
+from siphon_dagster.snapshot_sensor import AUTOLOAD_TAG, LOAD_TAG, build_snapshot_sensor, record_drop
 from siphon_dagster.specs import table_specs
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
 
@@ -67,6 +67,8 @@ class Harness:
         result = self.sensor(context)
         for request in result.dynamic_partitions_requests:
             self.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        for event in result.asset_events:
+            self.instance.report_runless_asset_event(event)
         self.cursor = result.cursor
         return result
 
@@ -243,6 +245,26 @@ def test_a_table_missing_at_the_target_is_loaded_again(config):
         again = harness.tick()
         assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
         assert {r.tags[LOAD_TAG] for r in again.run_requests} != {r.tags[LOAD_TAG] for r in first.run_requests}
+
+
+def test_a_table_dropped_by_the_operator_is_loaded_again_even_if_the_stream_made_it_anew(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        first = harness.tick()
+        assert all(harness.run(request).success for request in first.run_requests)
+        harness.tick()
+        target = harness.target()
+        try:
+            target.drop_table(harness.table())
+            record_drop(instance, harness.key, "the table")
+            target.ensure_table(harness.table())  # the stream's next batch creates it, empty
+        finally:
+            target.close()
+        again = harness.tick()
+        assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
+        assert all(harness.run(request).success for request in again.run_requests)
+        assert state(harness.tick()) == "loaded"
+        assert harness.tick().run_requests == []
 
 
 def test_an_unreachable_target_requests_nothing_and_fails_no_tick(config, postgres_dsn, nats_url):

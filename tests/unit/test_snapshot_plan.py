@@ -106,3 +106,11 @@ def test_auto_load_off_loads_nothing_but_still_retries():
 def test_retry_delay_doubles_and_is_capped():
     assert [retry_delay(n, 30.0) for n in (1, 2, 3)] == [30.0, 60.0, 120.0]
     assert retry_delay(12, 30.0) == 600.0
+
+
+def test_a_drop_loads_every_partition_not_running_again_and_forgets_its_failures():
+    entry = {"failed": {A: {"attempts": 3, "since": 1.0, "retry_at": 2.0}}}
+    result = plan(status={A: FAILED, B: MATERIALIZED, C: IN_PROGRESS}, entry=entry, dropped=True)
+    assert result.load == [A, B] and result.load_started and result.retries == []
+    assert "failed" not in result.entry
+    assert plan(dropped=True, missing=None).load == []
