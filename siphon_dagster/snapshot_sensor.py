@@ -48,6 +48,10 @@ ATTEMPT_TAG = "siphon/attempt"  # a retry: which attempt of its partition it is
 SNAPSHOT_PRIORITY = "-1"
 # How often a loaded table's presence at its target is checked (a query per table at the target).
 TABLE_CHECK_SECONDS = 120.0
+# A tick stops looking at tables after this long (the daemon gives a sensor 60 s), and the next
+# tick begins where it stopped: each table costs a few queries of the instance's storage.
+TICK_BUDGET_SECONDS = 40.0
+RESUME_KEY = "_resume"  # in the cursor: the table the next tick begins with (no table id starts with _)
 
 # Metadata of the observation `siphon-dagster target drop` records on the target asset.
 DROPPED_METADATA = "siphon/dropped"
@@ -116,9 +120,11 @@ class TargetProbe:
 
 def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: SnapshotsConfig,
                           check_keys: Mapping[dg.AssetKey, Sequence[dg.AssetCheckKey]] | None = None,
-                          table_check_seconds: float = TABLE_CHECK_SECONDS) -> dg.SensorDefinition:
+                          table_check_seconds: float = TABLE_CHECK_SECONDS,
+                          tick_budget_seconds: float = TICK_BUDGET_SECONDS) -> dg.SensorDefinition:
     """`{group}_snapshots`. `check_keys` names each target asset's checks, whose latest results the
-    table's state shows."""
+    table's state shows. A tick looks at tables for `tick_budget_seconds` at most, and the next
+    one goes on from the first table it left."""
     targets = sorted({target for spec in specs for target in spec.targets})
     checks = dict(check_keys or {})
 
@@ -136,31 +142,41 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
     def _snapshots(context: dg.SensorEvaluationContext, **_resources: Any) -> dg.SensorResult:
         # The resources are read from the context (which targets there are depends on the
         # configuration); a direct call also passes them by name, hence `_resources`.
+        started = time.monotonic()
         state: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
-        added_requests, added = _missing_partitions(context, specs)
+        existing = {spec.partitions_def_name: context.instance.get_dynamic_partitions(spec.partitions_def_name)
+                    for spec in specs}
+        added_requests, added = _missing_partitions(context, [s for s in specs if not existing[s.partitions_def_name]])
         probes = {target: TargetProbe(target, getattr(context.resources, f"{target}_target"), context.log)
                   for target in targets}
         run_requests: list[dg.RunRequest] = []
         events: list[dg.AssetObservation] = []
-        cursor: dict[str, Any] = {}
+        tables = [(spec, target) for spec in specs for target in spec.targets]
+        names = [table_id(spec, target) for spec, target in tables]
+        # Tables left over by the last tick come first, so that every table has its turn.
+        first = names.index(state[RESUME_KEY]) if state.get(RESUME_KEY) in names else 0
+        cursor: dict[str, Any] = {name: state[name] for name in names if name in state}
         try:
-            for spec in specs:
-                keys = context.instance.get_dynamic_partitions(spec.partitions_def_name) or \
-                    added.get(spec.partitions_def_name, [])
-                for target in spec.targets:
-                    name = table_id(spec, target)
-                    entry = state.get(name, {})
-                    try:
-                        requests, event, entry = _tick_table(context, spec, target, keys, entry, probes[target],
-                                                             settings, checks.get(spec.target_key(target), ()),
-                                                             table_check_seconds)
-                    except Exception as error:  # one table's problem holds back no other table
-                        context.log.error(f"{name}: {error}")
-                        requests, event = [], None
-                    run_requests.extend(requests)
-                    if event is not None:
-                        events.append(event)
-                    cursor[name] = entry
+            for index in range(first, first + len(tables)):
+                spec, target = tables[index % len(tables)]
+                name = names[index % len(tables)]
+                if index > first and time.monotonic() - started > tick_budget_seconds:
+                    context.log.info(f"tick budget of {tick_budget_seconds:.0f}s spent: {name} and the tables after "
+                                     "it are looked at next tick")
+                    cursor[RESUME_KEY] = name
+                    break
+                keys = existing[spec.partitions_def_name] or added.get(spec.partitions_def_name, [])
+                try:
+                    requests, event, entry = _tick_table(context, spec, target, keys, state.get(name, {}),
+                                                         probes[target], settings,
+                                                         checks.get(spec.target_key(target), ()), table_check_seconds)
+                except Exception as error:  # one table's problem holds back no other table
+                    context.log.error(f"{name}: {error}")
+                    continue
+                run_requests.extend(requests)
+                if event is not None:
+                    events.append(event)
+                cursor[name] = entry
         finally:
             for probe in probes.values():
                 probe.close()
@@ -170,11 +186,10 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
     return _snapshots
 
 
-def _missing_partitions(context: dg.SensorEvaluationContext, specs: list[TableSpec]
+def _missing_partitions(context: dg.SensorEvaluationContext, empty: list[TableSpec]
                         ) -> tuple[list[dg.AddDynamicPartitionsRequest], dict[str, list[str]]]:
-    """The partitions of tables that have none yet (the partitions sensor has not run since they
-    were configured), added by this tick's result before its run requests are submitted."""
-    empty = [spec for spec in specs if not context.instance.get_dynamic_partitions(spec.partitions_def_name)]
+    """The partitions of `empty`, tables that have none yet (the partitions sensor has not run
+    since they were configured), added by this tick's result before its run requests are submitted."""
     if not empty:
         return [], {}
     try:

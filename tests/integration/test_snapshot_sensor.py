@@ -267,6 +267,28 @@ def test_a_table_dropped_by_the_operator_is_loaded_again_even_if_the_stream_made
         assert harness.tick().run_requests == []
 
 
+def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn):
+    schema = config.application_identifier
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create table {} (id int primary key)").format(sql.Identifier(schema, "other")))
+    both = parse_config({**config.model_dump(by_alias=True),
+                         "tables": [t.model_dump() for t in config.tables] + [{"name": f"{schema}.other"}]})
+    specs = table_specs(both)
+    defs = build_definitions(both)
+    sensor = build_snapshot_sensor(specs, "test", both.snapshots, tick_budget_seconds=0)
+    with dg.instance_for_test() as instance:
+        cursor, asked = None, []
+        for _ in range(3):
+            result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
+                                                    definitions=defs))
+            cursor = result.cursor
+            asked.append({r.tags[AUTOLOAD_TAG] for r in result.run_requests})
+        # One table a tick, each in its turn; a load asked for stays asked (its runs are never made here).
+        assert asked[0] == {f"clickhouse:{specs[0].qualified_name}"}
+        assert asked[1] == {f"clickhouse:{specs[1].qualified_name}"}
+        assert json.loads(cursor)["_resume"] == f"clickhouse:{specs[1].qualified_name}"
+
+
 def test_an_unreachable_target_requests_nothing_and_fails_no_tick(config, postgres_dsn, nats_url):
     unreachable = make_config(postgres_dsn, nats_url, "http://127.0.0.1:1", config.application_identifier)
     with dg.instance_for_test() as instance:
