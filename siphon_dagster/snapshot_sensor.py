@@ -18,7 +18,6 @@ import dagster as dg
 from dagster._core.storage.tags import PARTITION_NAME_TAG, PRIORITY_TAG
 
 from siphon_core.config import SnapshotsConfig
-from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG
 from siphon_dagster.sensors import partition_requests
 from siphon_dagster.snapshot_plan import (
     FAILED,
@@ -260,8 +259,9 @@ def _request(spec: TableSpec, target: str, key: str, run_key: str, tags: Mapping
         run_key=run_key,
         asset_selection=[spec.target_key(target)],
         partition_key=key,
-        tags={AUTOLOAD_TAG: table_id(spec, target), SNAPSHOT_RUN_TAG: "true", PRIORITY_TAG: SNAPSHOT_PRIORITY,
-              **spec.tags, **tags},
+        # Not the snapshot-run tag: the op sets it with its worker's identity once it holds a pool
+        # slot; a run waiting that long for a slot without a worker tag would look dead.
+        tags={AUTOLOAD_TAG: table_id(spec, target), PRIORITY_TAG: SNAPSHOT_PRIORITY, **spec.tags, **tags},
     )
 
 
