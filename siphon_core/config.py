@@ -215,6 +215,17 @@ class StreamingConfig(_Model):
     metrics_host: str = "127.0.0.1"
 
 
+# --- snapshots: what the snapshot sensor does without an operator ---------------------------------
+class SnapshotsConfig(_Model):
+    # Snapshot every partition of a table new to the configuration, or missing at a target.
+    auto_load: bool = True
+    # Runs of one partition, the first included, before a failing partition is left to an operator.
+    max_attempts: int = Field(default=3, ge=1)
+    # The wait after a failure before the next attempt; it doubles with each attempt, up to 10 minutes.
+    retry_delay_seconds: float = Field(default=30.0, ge=0)
+# --- end of snapshots ----------------------------------------------------------------------------
+
+
 class SiphonConfig(_Model):
     application_identifier: str
     source: SourceConfig
@@ -224,6 +235,7 @@ class SiphonConfig(_Model):
     targets: TargetsConfig = Field(default_factory=TargetsConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
+    snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
 
     @field_validator("application_identifier")
     @classmethod

@@ -80,10 +80,29 @@ def _drop_target_table(config: SiphonConfig, spec: TableSpec, target: str) -> in
         destination.drop_table(TableSchema(spec.schema, spec.name, ()))
     finally:
         destination.close()
-    print(f"dropped {spec.qualified_name} at {target}; materialize every partition of asset "
-          f"{naming.asset_path_text(target, spec.schema, spec.name)} to load it again (siphon-dagster snapshot "
-          f"--table {shlex.quote(spec.qualified_name)} --target {target})")
+    print(f"dropped {spec.qualified_name} at {target}")
+    return _tell_snapshot_sensor(config, spec, target)
+
+
+# --- the snapshot sensor loads a dropped table again ----------------------------------------------
+def _tell_snapshot_sensor(config: SiphonConfig, spec: TableSpec, target: str) -> int:
+    asset = naming.asset_path_text(target, spec.schema, spec.name)
+    try:
+        instance = dg.DagsterInstance.get()
+    except Exception as error:  # no Dagster home here: the operator loads it
+        print(f"no Dagster instance to record the drop in ({error}); load it again with siphon-dagster "
+              f"snapshot --table {shlex.quote(spec.qualified_name)} --target {target}")
+        return 0
+    from siphon_dagster.snapshot_sensor import record_drop
+
+    record_drop(instance, spec.target_key(target), f"{spec.qualified_name} at {target}")
+    if config.snapshots.auto_load:
+        print(f"the snapshot sensor loads every partition of asset {asset} again at its next tick")
+    else:
+        print(f"load it again with siphon-dagster snapshot --table {shlex.quote(spec.qualified_name)} --target "
+              f"{target} (snapshots.auto_load is off)")
     return 0
+# --- end of the snapshot sensor's part ------------------------------------------------------------
 
 
 if __name__ == "__main__":

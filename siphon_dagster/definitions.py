@@ -17,6 +17,7 @@ from siphon_dagster.resources import (
 )
 from siphon_dagster.resync import build_resync_job
 from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
+from siphon_dagster.snapshot_sensor import build_snapshot_sensor
 from siphon_dagster.specs import group_name, table_specs
 
 
@@ -54,9 +55,21 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
             build_partitions_sensor(specs, group),
             build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),
             build_gap_sensor(specs, group, resync_jobs),
+            # New tables load, failed snapshot partitions run again, each table's state on its asset.
+            build_snapshot_sensor(specs, group, config.snapshots, target_check_keys(assets)),
         ],
         resources=build_resources(config),
     )
+
+
+def target_check_keys(assets: list[object]) -> dict[dg.AssetKey, list[dg.AssetCheckKey]]:
+    """The checks among `definitions` (assets, asset checks), by the asset they check: the snapshot
+    sensor shows their latest results."""
+    keys: dict[dg.AssetKey, list[dg.AssetCheckKey]] = {}
+    for definition in assets:
+        for check_key in getattr(definition, "check_keys", ()):
+            keys.setdefault(check_key.asset_key, []).append(check_key)
+    return keys
 
 
 def load_definitions() -> dg.Definitions:

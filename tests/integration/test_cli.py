@@ -9,10 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
 import pytest
 import yaml
 
 from siphon_dagster import cli
+from siphon_dagster.snapshot_sensor import DROPPED_METADATA
 from siphon_dagster.targets.base import SourceColumn, TableSchema
 from tests.helpers.application import Application
 from tests.helpers.processes import alive
@@ -25,7 +27,8 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("target_name", ["clickhouse", "snowflake"])
 def test_target_drop_removes_the_table_and_its_view_and_nothing_else(
         request: pytest.FixtureRequest, tmp_path: Path, unique_name: str, target_name: str,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))  # the drop is recorded on this instance
     target = make_target(request, target_name, unique_name)
     columns = (SourceColumn("id", 23, "integer", -1, False, True, "N"), SourceColumn("body", 25, "text", -1, True, False, "S"))
     dropped, kept = TableSchema("public", "dropped", columns), TableSchema("public", "kept", columns)
@@ -42,7 +45,11 @@ def test_target_drop_removes_the_table_and_its_view_and_nothing_else(
         assert cli.main(["--config", str(config), "target", "drop", "--target", target_name,
                          "--table", "public.dropped"]) == 0
 
-        assert f"materialize every partition of asset {target_name}/public/dropped" in capsys.readouterr().out
+        assert f"the snapshot sensor loads every partition of asset {target_name}/public/dropped again" \
+            in capsys.readouterr().out
+        with dg.DagsterInstance.get() as instance:
+            [drop] = instance.fetch_observations(dg.AssetKey([target_name, "public", "dropped"]), limit=5).records
+            assert drop.asset_observation.metadata[DROPPED_METADATA].value is True
         assert target.describe_columns(dropped) == []
         assert [c.name for c in target.describe_columns(kept)][:2] == ["id", "body"]
         assert cli.main(["--config", str(config), "target", "drop", "--target", "elsewhere",

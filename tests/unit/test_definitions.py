@@ -54,7 +54,8 @@ def test_streaming_jobs_and_sensors_are_named_as_documented():
     assert {"stream_clickhouse_audit__events", "stream_snowflake_audit__events", "stream_clickhouse_select",
             "stream_clickhouse_Sales__OrderLines", "stream_snowflake_with_space"} <= jobs
     sensors = {sensor.name for sensor in defs.sensors}
-    assert sensors == {"siphon_dev_main_1_partitions", "siphon_dev_main_1_streaming", "siphon_dev_main_1_slot_gaps"}
+    assert sensors == {"siphon_dev_main_1_partitions", "siphon_dev_main_1_streaming", "siphon_dev_main_1_slot_gaps",
+                       "siphon_dev_main_1_snapshots"}
 
 
 def test_tables_that_collapse_to_one_job_name_are_refused():

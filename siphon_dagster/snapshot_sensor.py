@@ -1,0 +1,281 @@
+"""The snapshot sensor: loads new tables, runs failed snapshot partitions again, shows each table's state.
+
+Every tick, for each (target, table): the table's partitions as Dagster records them
+(materialized, failed, in progress), the decision of `snapshot_plan.plan_table`, one run request
+per partition it asks for (each run snapshots one partition, so the target's snapshot pool
+`siphon_snapshot_<target>` decides how many run at once), and an observation of the table's
+state when it changed (`table_state`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dagster as dg
+from dagster._core.storage.tags import PARTITION_NAME_TAG, PRIORITY_TAG
+
+from siphon_core.config import SnapshotsConfig
+from siphon_dagster.sensors import partition_requests
+from siphon_dagster.snapshot_plan import (
+    FAILED,
+    IN_PROGRESS,
+    MATERIALIZED,
+    RUN_ACTIVE,
+    RUN_ENDED,
+    Partitions,
+    exhausted,
+    plan_table,
+)
+from siphon_dagster.specs import TableSpec
+from siphon_dagster.table_state import (
+    IN_PROGRESS_RUNS,
+    TableState,
+    check_results,
+    latest_batch,
+    state_observation,
+    streaming_status,
+)
+from siphon_dagster.targets.base import TableSchema
+
+AUTOLOAD_TAG = "siphon/autoload"  # `<target>:<schema>.<table>` on every run this sensor requests
+LOAD_TAG = "siphon/load"  # the load a run belongs to (when the load started)
+ATTEMPT_TAG = "siphon/attempt"  # a retry: which attempt of its partition it is
+# Behind streaming runs in the run queue: a load of many partitions never delays a stream's start.
+SNAPSHOT_PRIORITY = "-1"
+# How often a loaded table's presence at its target is checked (a query per table at the target).
+TABLE_CHECK_SECONDS = 120.0
+# A tick stops looking at tables after this long (the daemon gives a sensor 60 s), and the next
+# tick begins where it stopped: each table costs a few queries of the instance's storage.
+TICK_BUDGET_SECONDS = 40.0
+RESUME_KEY = "_resume"  # in the cursor: the table the next tick begins with (no table id starts with _)
+
+# Metadata of the observation `siphon-dagster target drop` records on the target asset.
+DROPPED_METADATA = "siphon/dropped"
+_DROP_LOOKBACK = 100
+
+_STATUS = {"MATERIALIZED": MATERIALIZED, "FAILED": FAILED, "IN_PROGRESS": IN_PROGRESS}
+
+
+def record_drop(instance: dg.DagsterInstance, asset_key: dg.AssetKey, what: str) -> None:
+    """Tells the snapshot sensor that a table was dropped at a target, so that it loads it again
+    even when a streaming run has created it anew before the sensor looked."""
+    instance.report_runless_asset_event(dg.AssetObservation(
+        asset_key=asset_key, description=f"{what} dropped; the snapshot sensor loads it again",
+        metadata={DROPPED_METADATA: True}))
+
+
+def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int | None) -> tuple[bool, int | None]:
+    """Whether a drop was recorded after the observation `seen` (a storage id), and the latest
+    observation's id. The first look only sets that mark: an older drop was followed by a load."""
+    filters = dg.AssetRecordsFilter(asset_key=asset_key, after_storage_id=seen)
+    records = instance.fetch_observations(filters, limit=_DROP_LOOKBACK).records
+    if not records:
+        return False, seen
+    latest = max(record.storage_id for record in records)
+    if seen is None:
+        return False, latest
+    dropped = any(record.asset_observation is not None and DROPPED_METADATA in record.asset_observation.metadata
+                  for record in records)
+    return dropped, latest
+
+
+def table_id(spec: TableSpec, target: str) -> str:
+    return f"{target}:{spec.qualified_name}"
+
+
+class TargetProbe:
+    """Whether tables exist at one target; a target that cannot be reached is asked once a tick."""
+
+    def __init__(self, name: str, resource: Any, log: Any) -> None:
+        self.name = name
+        self._resource = resource
+        self._log = log
+        self._target: Any = None
+        self.error: str | None = None
+
+    def table_missing(self, spec: TableSpec) -> bool | None:
+        if self.error is not None:
+            return None
+        try:
+            if self._target is None:
+                self._target = self._resource.open_target()
+            return not self._target.describe_columns(TableSchema(spec.schema, spec.name, ()))
+        except Exception as error:  # any failure to reach it: this target waits, the others go on
+            self.error = str(error)
+            self._log.warning(f"{self.name}: cannot reach the target, so no snapshot of it is requested this "
+                              f"tick: {error}")
+            return None
+
+    def close(self) -> None:
+        if self._target is not None:
+            try:
+                self._target.close()
+            except Exception as error:
+                self._log.warning(f"{self.name}: closing the target: {error}")
+
+
+def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: SnapshotsConfig,
+                          check_keys: Mapping[dg.AssetKey, Sequence[dg.AssetCheckKey]] | None = None,
+                          table_check_seconds: float = TABLE_CHECK_SECONDS,
+                          tick_budget_seconds: float = TICK_BUDGET_SECONDS) -> dg.SensorDefinition:
+    """`{group}_snapshots`. `check_keys` names each target asset's checks, whose latest results the
+    table's state shows. A tick looks at tables for `tick_budget_seconds` at most, and the next
+    one goes on from the first table it left."""
+    targets = sorted({target for spec in specs for target in spec.targets})
+    checks = dict(check_keys or {})
+
+    @dg.sensor(
+        name=f"{group}_snapshots",
+        minimum_interval_seconds=30,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        asset_selection=[spec.target_key(target) for spec in specs for target in spec.targets],
+        required_resource_keys={"source", *(f"{target}_target" for target in targets)},
+        description="Snapshots every partition of a table new to the configuration or missing at its target, "
+                    f"runs a failed snapshot partition again (up to {settings.max_attempts} attempts, waiting "
+                    "longer each time), and records each table's state on its target asset when it changes. "
+                    "The cursor holds each table's load in progress and failed partitions' attempts.",
+    )
+    def _snapshots(context: dg.SensorEvaluationContext, **_resources: Any) -> dg.SensorResult:
+        # The resources are read from the context (which targets there are depends on the
+        # configuration); a direct call also passes them by name, hence `_resources`.
+        started = time.monotonic()
+        state: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
+        existing = {spec.partitions_def_name: context.instance.get_dynamic_partitions(spec.partitions_def_name)
+                    for spec in specs}
+        added_requests, added = _missing_partitions(context, [s for s in specs if not existing[s.partitions_def_name]])
+        probes = {target: TargetProbe(target, getattr(context.resources, f"{target}_target"), context.log)
+                  for target in targets}
+        run_requests: list[dg.RunRequest] = []
+        events: list[dg.AssetObservation] = []
+        tables = [(spec, target) for spec in specs for target in spec.targets]
+        names = [table_id(spec, target) for spec, target in tables]
+        # Tables left over by the last tick come first, so that every table has its turn.
+        first = names.index(state[RESUME_KEY]) if state.get(RESUME_KEY) in names else 0
+        cursor: dict[str, Any] = {name: state[name] for name in names if name in state}
+        try:
+            for index in range(first, first + len(tables)):
+                spec, target = tables[index % len(tables)]
+                name = names[index % len(tables)]
+                if index > first and time.monotonic() - started > tick_budget_seconds:
+                    context.log.info(f"tick budget of {tick_budget_seconds:.0f}s spent: {name} and the tables after "
+                                     "it are looked at next tick")
+                    cursor[RESUME_KEY] = name
+                    break
+                keys = existing[spec.partitions_def_name] or added.get(spec.partitions_def_name, [])
+                try:
+                    requests, event, entry = _tick_table(context, spec, target, keys, state.get(name, {}),
+                                                         probes[target], settings,
+                                                         checks.get(spec.target_key(target), ()), table_check_seconds)
+                except Exception as error:  # one table's problem holds back no other table
+                    context.log.error(f"{name}: {error}")
+                    continue
+                run_requests.extend(requests)
+                if event is not None:
+                    events.append(event)
+                cursor[name] = entry
+        finally:
+            for probe in probes.values():
+                probe.close()
+        return dg.SensorResult(run_requests=run_requests, dynamic_partitions_requests=added_requests,
+                               asset_events=events, cursor=json.dumps(cursor, sort_keys=True))
+
+    return _snapshots
+
+
+def _missing_partitions(context: dg.SensorEvaluationContext, empty: list[TableSpec]
+                        ) -> tuple[list[dg.AddDynamicPartitionsRequest], dict[str, list[str]]]:
+    """The partitions of `empty`, tables that have none yet (the partitions sensor has not run
+    since they were configured), added by this tick's result before its run requests are submitted."""
+    if not empty:
+        return [], {}
+    try:
+        with context.resources.source.connect() as connection:
+            requests, _ = partition_requests(context.instance, connection, empty)
+    except Exception as error:  # the source's problem: the tables wait for their partitions
+        context.log.warning(f"cannot read the size of {len(empty)} new table(s) at the source: {error}")
+        return [], {}
+    return requests, {r.partitions_def_name: list(r.partition_keys) for r in requests}
+
+
+def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: str, keys: Sequence[str],
+                entry: Mapping[str, Any], probe: TargetProbe, settings: SnapshotsConfig,
+                check_keys: Sequence[dg.AssetCheckKey], table_check_seconds: float
+                ) -> tuple[list[dg.RunRequest], dg.AssetObservation | None, dict[str, Any]]:
+    instance = context.instance
+    asset_key = spec.target_key(target)
+    name = table_id(spec, target)
+    statuses = (instance.get_status_by_partition(asset_key, list(keys), spec.partitions_def) or {}) if keys else {}
+    status = {key: _STATUS.get(value.name) if value is not None else None for key, value in statuses.items()}
+    load_runs = _load_runs(instance, name, entry.get("load"))
+    partitions = Partitions.of(keys, status, load_runs)
+    dropped, seen = _drops_since(instance, asset_key, entry.get("seen"))
+    now = time.time()
+    plan = plan_table(partitions, entry, load_runs=load_runs, table_missing=lambda: probe.table_missing(spec),
+                      now=now, auto_load=settings.auto_load, max_attempts=settings.max_attempts,
+                      first_retry_delay=settings.retry_delay_seconds, table_check_seconds=table_check_seconds,
+                      dropped=dropped)
+    if dropped and settings.auto_load and not plan.load_started:
+        seen = entry.get("seen")  # not acted on (the target did not answer): looked at again next tick
+    if seen is not None:
+        plan.entry["seen"] = seen
+    requests = []
+    if plan.load_started:
+        context.log.info(f"{name}: loading all {len(plan.load)} partitions")
+    load_id = str(plan.entry["load"]["at"]) if plan.load else ""
+    for key in plan.load:
+        requests.append(_request(spec, target, key, run_key=f"{name}:{key}:load:{load_id}",
+                                 tags={LOAD_TAG: load_id}))
+    for retry in plan.retries:
+        context.log.info(f"{name}: partition {retry.key} failed; attempt {retry.attempt} of {settings.max_attempts}")
+        requests.append(_request(spec, target, retry.key, run_key=f"{name}:{retry.key}:retry:{retry.since}:{retry.attempt}",
+                                 tags={ATTEMPT_TAG: str(retry.attempt)}))
+    failed = plan.entry.get("failed", {})
+    waiting = [record["retry_at"] for record in failed.values()
+               if record.get("retry_at") is not None and record["attempts"] < settings.max_attempts]
+    table_state = TableState(
+        partitions=partitions,
+        loading="load" in plan.entry,
+        failed_attempts={key: record["attempts"] for key, record in failed.items()},
+        exhausted=exhausted(plan.entry, settings.max_attempts),
+        next_retry=min(waiting) if waiting else None,
+        streaming=streaming_status(instance, spec.stream_job_name(target)),
+        checks=check_results(instance, check_keys),
+    )
+    digest = table_state.digest()
+    event = None
+    if digest != entry.get("state"):
+        event = state_observation(asset_key, table_state, latest_batch(instance, asset_key))
+        if table_state.exhausted and not exhausted(entry, settings.max_attempts):
+            context.log.error(f"{name}: {table_state.text}")
+    plan.entry["state"] = digest
+    return requests, event, plan.entry
+
+
+def _request(spec: TableSpec, target: str, key: str, run_key: str, tags: Mapping[str, str]) -> dg.RunRequest:
+    return dg.RunRequest(
+        run_key=run_key,
+        asset_selection=[spec.target_key(target)],
+        partition_key=key,
+        # Not the snapshot-run tag: the op sets it with its worker's identity once it holds a pool
+        # slot; a run waiting that long for a slot without a worker tag would look dead.
+        tags={AUTOLOAD_TAG: table_id(spec, target), PRIORITY_TAG: SNAPSHOT_PRIORITY, **spec.tags, **tags},
+    )
+
+
+def _load_runs(instance: dg.DagsterInstance, name: str, load: Mapping[str, Any] | None) -> dict[str, str]:
+    """The partitions that runs of the load in progress cover, active or ended."""
+    if load is None:
+        return {}
+    covered: dict[str, str] = {}
+    records = instance.get_run_records(dg.RunsFilter(tags={AUTOLOAD_TAG: name, LOAD_TAG: str(load["at"])}))
+    for record in records:
+        key = record.dagster_run.tags.get(PARTITION_NAME_TAG)
+        if key is None:
+            continue
+        active = record.dagster_run.status in IN_PROGRESS_RUNS
+        if active or key not in covered:
+            covered[key] = RUN_ACTIVE if active else RUN_ENDED
+    return covered

@@ -1,0 +1,135 @@
+"""Each table's state at a glance: one observation on its target asset, recorded when it changes.
+
+The observation's description is the state in words ("loaded", "snapshotting: 3 of 10 partitions
+loaded, 2 running", "2 partitions failed after 3 attempts: ..."), and its metadata the figures
+behind it, so the asset's page (latest observation, Events tab) answers "is this table loaded,
+streaming, behind, checked?" without opening runs. Only a change of state is recorded, not each
+tick's lag, so hundreds of tables never flood the event log.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from siphon_dagster.snapshot_plan import Partitions
+
+IN_PROGRESS_RUNS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+                    dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+# A streaming batch's materialization: the snapshot's carry no LSN. A few snapshot partitions may
+# come between two batches; further back, the table has not streamed lately.
+_BATCH_LOOKBACK = 25
+_LISTED = 5  # partitions named in the state line; the metadata lists them all
+
+
+@dataclass(frozen=True)
+class TableState:
+    partitions: Partitions
+    loading: bool
+    failed_attempts: Mapping[str, int]  # failed partitions (retrying or not) and their attempts so far
+    exhausted: Mapping[str, int]  # failed partitions left to an operator
+    next_retry: float | None
+    streaming: str  # "running", "starting" or "not running"
+    checks: Mapping[str, str] = field(default_factory=dict)  # check name -> latest result
+
+    @property
+    def text(self) -> str:
+        p = self.partitions
+        total, loaded = len(p.keys), len(p.materialized)
+        if self.exhausted:
+            listed = ", ".join(sorted(self.exhausted)[:_LISTED]) + (", ..." if len(self.exhausted) > _LISTED else "")
+            attempts = max(self.exhausted.values())
+            return (f"{len(self.exhausted)} partition{'s' * (len(self.exhausted) > 1)} failed after "
+                    f"{attempts} attempts: {listed} (materialize them to try again; {loaded} of {total} loaded)")
+        if self.loading or p.in_progress or p.failed:
+            parts = [f"{loaded} of {total} partitions loaded"]
+            if p.in_progress:
+                parts.append(f"{len(p.in_progress)} running")
+            if p.failed:
+                when = "" if self.next_retry is None else \
+                    f", next attempt at {datetime.datetime.fromtimestamp(self.next_retry, datetime.UTC):%H:%M:%S} UTC"
+                parts.append(f"{len(p.failed)} failed, retrying{when}")
+            return "snapshotting: " + ", ".join(parts)
+        if not loaded:
+            return "not loaded"
+        if loaded < total:
+            # Partitions added as the table grew after its load: their rows came by the stream.
+            return f"loaded ({loaded} of {total} partitions snapshotted, the later blocks streamed)"
+        return "loaded"
+
+    def digest(self) -> str:
+        """What a change of state is judged on: not the lag, which moves every batch."""
+        p = self.partitions
+        summary = [self.text, len(p.keys), len(p.materialized), len(p.in_progress), sorted(self.failed_attempts.items()),
+                   self.streaming, sorted(self.checks.items())]
+        return hashlib.sha1(json.dumps(summary).encode()).hexdigest()[:16]
+
+
+def streaming_status(instance: dg.DagsterInstance, job_name: str) -> str:
+    records = instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=IN_PROGRESS_RUNS), limit=5)
+    if any(r.dagster_run.status == dg.DagsterRunStatus.STARTED for r in records):
+        return "running"
+    return "starting" if records else "not running"
+
+
+def latest_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> dict[str, Any]:
+    """The latest streaming batch's lag and applied LSN, as the streaming job recorded them."""
+    result = instance.fetch_materializations(asset_key, limit=_BATCH_LOOKBACK)
+    for record in result.records:
+        materialization = record.asset_materialization
+        if materialization is None or "applied_lsn" not in materialization.metadata:
+            continue
+        metadata = materialization.metadata
+        batch: dict[str, Any] = {"siphon/applied_lsn": metadata["applied_lsn"].value,
+                                 "siphon/last_batch_at": dg.MetadataValue.timestamp(record.timestamp)}
+        if "lag_seconds" in metadata:
+            batch["siphon/lag_seconds"] = metadata["lag_seconds"].value
+        return batch
+    return {}
+
+
+def check_results(instance: dg.DagsterInstance, check_keys: Sequence[dg.AssetCheckKey]) -> dict[str, str]:
+    """Each check's latest execution: passed, failed (with its severity), or running."""
+    if not check_keys:
+        return {}
+    latest = instance.event_log_storage.get_latest_asset_check_execution_by_key(list(check_keys))
+    results: dict[str, str] = {}
+    for key in check_keys:
+        record = latest.get(key)
+        if record is None:
+            results[key.name] = "never run"
+            continue
+        evaluation = None
+        if record.event is not None and record.event.dagster_event is not None \
+                and record.event.dagster_event.event_type == dg.DagsterEventType.ASSET_CHECK_EVALUATION:
+            evaluation = record.event.dagster_event.asset_check_evaluation_data
+        if evaluation is None:
+            results[key.name] = record.status.value.lower()
+        elif evaluation.passed:
+            results[key.name] = "passed"
+        else:
+            results[key.name] = f"failed ({evaluation.severity.value.lower()})"
+    return results
+
+
+def state_observation(asset_key: dg.AssetKey, state: TableState, batch: Mapping[str, Any]) -> dg.AssetObservation:
+    p = state.partitions
+    metadata: dict[str, Any] = {
+        "siphon/state": state.text,
+        "siphon/partitions_loaded": len(p.materialized),
+        "siphon/partitions_total": len(p.keys),
+        "siphon/partitions_running": len(p.in_progress),
+        "siphon/streaming": state.streaming,
+    }
+    if state.failed_attempts:
+        metadata["siphon/partitions_failed"] = dg.MetadataValue.json(dict(sorted(state.failed_attempts.items())))
+    if state.checks:
+        metadata["siphon/checks"] = dg.MetadataValue.json(dict(sorted(state.checks.items())))
+    metadata.update(batch)
+    return dg.AssetObservation(asset_key=asset_key, description=state.text, metadata=metadata)

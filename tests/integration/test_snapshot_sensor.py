@@ -1,0 +1,319 @@
+"""The snapshot sensor, one test per cursor scenario, on a test instance against real PostgreSQL and
+the embedded ClickHouse; the runs it asks for are executed for real."""
+
+import json
+
+import dagster as dg
+import psycopg
+import pytest
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+from dagster._core.test_utils import create_run_for_test
+from psycopg import sql
+
+from siphon_core.config import parse_config
+from siphon_dagster import source
+from siphon_dagster.definitions import build_definitions, build_resources
+from siphon_dagster.snapshot_sensor import AUTOLOAD_TAG, LOAD_TAG, build_snapshot_sensor, record_drop
+from siphon_dagster.specs import table_specs
+from siphon_dagster.targets.clickhouse import ClickHouseTarget
+
+
+def make_config(postgres_dsn, nats_url, clickhouse_url, schema, **snapshots):
+    return parse_config({
+        "application_identifier": schema,
+        "source": {"dsn": postgres_dsn},
+        "queue": {"url": nats_url},
+        "tables": [{"name": f"{schema}.items", "blocks_per_partition": 4}],
+        "targets": {"clickhouse": {"url": clickhouse_url, "database": schema}},
+        "snapshots": {"retry_delay_seconds": 0, **snapshots},
+    })
+
+
+@pytest.fixture
+def config(postgres_dsn, nats_url, clickhouse_url, unique_name):
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
+        connection.execute(sql.SQL("create table {} (id int primary key, body text)").format(
+            sql.Identifier(unique_name, "items")))
+        connection.execute(sql.SQL("insert into {} select g, repeat('x', 200) from generate_series(1, 300) g")
+                           .format(sql.Identifier(unique_name, "items")))
+    return make_config(postgres_dsn, nats_url, clickhouse_url, unique_name)
+
+
+CHECK = "row_count_matches"
+
+
+class Harness:
+    """One sensor on one instance: ticks carry the cursor on, as the daemon does."""
+
+    def __init__(self, config, instance, source_dsn=None):
+        self.config = config
+        self.instance = instance
+        self.defs = build_definitions(config)
+        self.spec = table_specs(config)[0]
+        self.key = self.spec.target_key("clickhouse")
+        self.check_key = dg.AssetCheckKey(self.key, CHECK)
+        self.sensor = build_snapshot_sensor(table_specs(config), "test", config.snapshots,
+                                            {self.key: [self.check_key]}, table_check_seconds=0)
+        self.cursor = None
+        # Runs that fail as they would while the source is down: same assets, a source that refuses.
+        broken = config.model_copy(update={"source": config.source.model_copy(
+            update={"dsn": "postgresql://siphon@127.0.0.1:1/none?connect_timeout=2"})})
+        self.broken_defs = build_definitions(broken)
+
+    def tick(self):
+        context = dg.build_sensor_context(instance=self.instance, cursor=self.cursor,
+                                          resources=build_resources(self.config), definitions=self.defs)
+        result = self.sensor(context)
+        for request in result.dynamic_partitions_requests:
+            self.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        for event in result.asset_events:
+            self.instance.report_runless_asset_event(event)
+        self.cursor = result.cursor
+        return result
+
+    @property
+    def keys(self):
+        return self.instance.get_dynamic_partitions(self.spec.partitions_def_name)
+
+    def run(self, request, broken=False):
+        """A requested run, executed as the daemon would launch it."""
+        defs = self.broken_defs if broken else self.defs
+        return dg.materialize([defs.resolve_assets_def(request.asset_selection[0])], partition_key=request.partition_key,
+                              instance=self.instance, tags=request.tags, raise_on_error=False)
+
+    def entry(self):
+        return json.loads(self.cursor)[f"clickhouse:{self.spec.qualified_name}"]
+
+    def target(self):
+        return ClickHouseTarget(self.config.targets.clickhouse)
+
+    def table(self):
+        with source.connect(self.config.source.dsn) as connection:
+            return source.table_schema(connection, self.spec.table)
+
+
+def state(result):
+    [observation] = result.asset_events
+    return observation.metadata["siphon/state"].value
+
+
+def test_first_tick_requests_every_partition_of_a_new_table_even_when_the_stream_made_its_table(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        target = harness.target()
+        try:
+            # The streaming run creates the table at its first change: that is not a load.
+            target.ensure_table(harness.table())
+        finally:
+            target.close()
+        result = harness.tick()
+        # The partitions sensor has not run yet: this tick adds them itself, and asks for each.
+        [added] = result.dynamic_partitions_requests
+        assert len(added.partition_keys) >= 2
+        assert [r.partition_key for r in result.run_requests] == list(added.partition_keys)
+        for request in result.run_requests:
+            assert request.asset_selection == [harness.key]
+            assert request.tags[AUTOLOAD_TAG] == f"clickhouse:{harness.spec.qualified_name}"
+        assert state(result) == f"snapshotting: 0 of {len(added.partition_keys)} partitions loaded"
+        assert "load" in harness.entry()
+
+
+def test_the_daemon_accepts_requests_for_partitions_added_in_the_same_tick(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        repository = harness.defs.get_repository_def()
+        # As the daemon's code server builds it: from the instance's ref, so that partition keys
+        # are checked against the instance and this tick's own additions.
+        with dg.SensorEvaluationContext(
+                instance_ref=instance.get_ref(), last_tick_completion_time=None, last_run_key=None, cursor=None,
+                log_key=None, repository_name=repository.name, repository_def=repository,
+                sensor_name=harness.sensor.name, resources=build_resources(config)) as context:
+            data = harness.sensor.evaluate_tick(context)
+        keys = list(data.dynamic_partitions_requests[0].partition_keys)
+        assert [r.partition_key for r in data.run_requests] == keys
+        assert all(r.tags["dagster/partition"] == r.partition_key for r in data.run_requests)
+
+
+def test_runs_of_the_load_in_progress_are_not_requested_twice(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        first = harness.tick()
+        for request in first.run_requests:  # submitted by the daemon, not started yet
+            create_run_for_test(instance, job_name="__ASSET_JOB", status=dg.DagsterRunStatus.NOT_STARTED,
+                                tags={**request.tags, "dagster/partition": request.partition_key})
+        second = harness.tick()
+        assert second.run_requests == []
+        assert "load" in harness.entry()
+
+
+def test_a_new_table_loads_by_itself_equal_to_the_source_and_then_nothing_is_requested(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        first = harness.tick()
+        assert first.run_requests
+        assert all(harness.run(request).success for request in first.run_requests)
+        loaded = harness.tick()
+        assert loaded.run_requests == [] and state(loaded) == "loaded"
+        assert "load" not in harness.entry()
+        target = harness.target()
+        try:
+            table = harness.table()
+            assert sorted(target.current_rows_as_text(table)) == sorted(
+                tuple(str(v) for v in row) for row in source_rows(config.source.dsn, table))
+        finally:
+            target.close()
+        # Nothing new: nothing requested, and no observation, since the state did not change.
+        quiet = harness.tick()
+        assert quiet.run_requests == [] and quiet.asset_events == []
+
+
+def source_rows(dsn, table):
+    with psycopg.connect(dsn) as connection:
+        return connection.execute(sql.SQL("select id::text, body from {}").format(
+            sql.Identifier(table.schema, table.table))).fetchall()
+
+
+def test_a_table_loaded_by_hand_is_not_reloaded(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        with psycopg.connect(config.source.dsn) as connection:
+            blocks = source.table_size(connection, harness.spec.table).blocks
+        from siphon_dagster.partitions import ranges_for
+        keys = [r.key for r in ranges_for(blocks, 4)]
+        instance.add_dynamic_partitions(harness.spec.partitions_def_name, keys)
+        # A CLI backfill of every partition, one run for the range.
+        result = dg.materialize([harness.defs.resolve_assets_def(harness.key)], instance=instance,
+                                tags={ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]})
+        assert result.success
+        tick = harness.tick()
+        assert tick.run_requests == [] and state(tick) == "loaded"
+        assert tick.asset_events[0].metadata["siphon/partitions_loaded"].value == len(keys)
+
+
+def test_a_failed_range_is_retried_per_partition_up_to_the_limit_then_shown_failed(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        harness.tick()  # adds the partitions and asks for the load
+        keys = harness.keys
+        # The measured case: the source restarts during a CLI backfill, and the whole range fails.
+        broken = harness.broken_defs.resolve_assets_def(harness.key)
+        failed = dg.materialize([broken], instance=instance, raise_on_error=False,
+                                tags={ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]})
+        assert not failed.success
+        for attempt in (2, 3):
+            tick = harness.tick()
+            assert sorted(r.partition_key for r in tick.run_requests) == sorted(keys)
+            assert {r.tags["siphon/attempt"] for r in tick.run_requests} == {str(attempt)}
+            assert not any(harness.run(request, broken=True).success for request in tick.run_requests)
+        given_up = harness.tick()
+        assert given_up.run_requests == []
+        text = state(given_up)
+        assert text.startswith(f"{len(keys)} partitions failed after 3 attempts: {keys[0]}")
+        assert given_up.asset_events[0].metadata["siphon/partitions_failed"].value == dict.fromkeys(keys, 3)
+        assert harness.tick().run_requests == []
+        # An operator runs one again once the source is back: it is loaded and forgotten.
+        assert dg.materialize([harness.defs.resolve_assets_def(harness.key)], partition_key=keys[0],
+                              instance=instance).success
+        harness.tick()
+        assert set(harness.entry()["failed"]) == set(keys[1:])
+
+
+def test_a_partition_that_succeeds_on_retry_completes_the_load(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        first = harness.tick()
+        outcomes = [harness.run(request, broken=index == 0) for index, request in enumerate(first.run_requests)]
+        assert [o.success for o in outcomes] == [False] + [True] * (len(outcomes) - 1)
+        retry = harness.tick()
+        assert [r.partition_key for r in retry.run_requests] == [first.run_requests[0].partition_key]
+        assert harness.run(retry.run_requests[0]).success
+        assert state(harness.tick()) == "loaded"
+
+
+def test_a_table_missing_at_the_target_is_loaded_again(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        first = harness.tick()
+        assert all(harness.run(request).success for request in first.run_requests)
+        harness.tick()
+        target = harness.target()
+        try:
+            target.drop_table(harness.table())
+        finally:
+            target.close()
+        again = harness.tick()
+        assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
+        assert {r.tags[LOAD_TAG] for r in again.run_requests} != {r.tags[LOAD_TAG] for r in first.run_requests}
+
+
+def test_a_table_dropped_by_the_operator_is_loaded_again_even_if_the_stream_made_it_anew(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        first = harness.tick()
+        assert all(harness.run(request).success for request in first.run_requests)
+        harness.tick()
+        target = harness.target()
+        try:
+            target.drop_table(harness.table())
+            record_drop(instance, harness.key, "the table")
+            target.ensure_table(harness.table())  # the stream's next batch creates it, empty
+        finally:
+            target.close()
+        again = harness.tick()
+        assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
+        assert all(harness.run(request).success for request in again.run_requests)
+        assert state(harness.tick()) == "loaded"
+        assert harness.tick().run_requests == []
+
+
+def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn):
+    schema = config.application_identifier
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create table {} (id int primary key)").format(sql.Identifier(schema, "other")))
+    both = parse_config({**config.model_dump(by_alias=True),
+                         "tables": [t.model_dump() for t in config.tables] + [{"name": f"{schema}.other"}]})
+    specs = table_specs(both)
+    defs = build_definitions(both)
+    sensor = build_snapshot_sensor(specs, "test", both.snapshots, tick_budget_seconds=0)
+    with dg.instance_for_test() as instance:
+        cursor, asked = None, []
+        for _ in range(3):
+            result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
+                                                    definitions=defs))
+            cursor = result.cursor
+            asked.append({r.tags[AUTOLOAD_TAG] for r in result.run_requests})
+        # One table a tick, each in its turn; a load asked for stays asked (its runs are never made here).
+        assert asked[0] == {f"clickhouse:{specs[0].qualified_name}"}
+        assert asked[1] == {f"clickhouse:{specs[1].qualified_name}"}
+        assert json.loads(cursor)["_resume"] == f"clickhouse:{specs[1].qualified_name}"
+
+
+def test_an_unreachable_target_requests_nothing_and_fails_no_tick(config, postgres_dsn, nats_url):
+    unreachable = make_config(postgres_dsn, nats_url, "http://127.0.0.1:1", config.application_identifier)
+    with dg.instance_for_test() as instance:
+        harness = Harness(unreachable, instance)
+        result = harness.tick()
+        assert result.run_requests == [] and state(result) == "not loaded"
+        assert result.dynamic_partitions_requests  # the partitions still come
+
+
+def test_the_state_shows_streaming_lag_and_check_results(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        harness.tick()
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key=harness.key, metadata={"applied_lsn": "0/16B3748", "lag_seconds": 1.5}))
+        instance.report_runless_asset_event(dg.AssetCheckEvaluation(
+            asset_key=harness.key, check_name=CHECK, passed=False, severity=dg.AssetCheckSeverity.ERROR))
+        create_run_for_test(instance, job_name=harness.spec.stream_job_name("clickhouse"),
+                            status=dg.DagsterRunStatus.STARTED)
+        metadata = harness.tick().asset_events[0].metadata
+        assert metadata["siphon/checks"].value == {CHECK: "failed (error)"}
+        assert metadata["siphon/streaming"].value == "running"
+        assert metadata["siphon/applied_lsn"].value == "0/16B3748"
+        assert metadata["siphon/lag_seconds"].value == 1.5
+        # The lag moves with every batch: that alone records nothing.
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key=harness.key, metadata={"applied_lsn": "0/16B4000", "lag_seconds": 0.7}))
+        assert harness.tick().asset_events == []
