@@ -351,8 +351,8 @@ class SnowflakeTarget:
                     )
                 yield values
 
-        targets = [names.shadow] if shadow else self._write_targets(names)
         started = self._statements
+        targets = [names.shadow] if shadow else self._write_targets(names)
         # Rows stream from the chunks into the staging table; the MERGE then runs inside Snowflake.
         with self._staging_table(names) as staging:
             count = self._fill_staging_table(names, staging, stage.copy_text_batches(table, checked_rows(), version))

@@ -9,7 +9,6 @@ same statement whichever way the rows arrived, so both paths store the same valu
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,9 +28,10 @@ INSERT_PATH = "insert"
 
 # Rows per Parquet row group, and per Arrow batch built from COPY text.
 ROWS_PER_GROUP = 50_000
-# A file is closed and PUT once it passes this size: Snowflake loads the files of one COPY in
-# parallel and advises 100-250 MB compressed per file; the local disk holds one file at a time.
-FILE_BYTES = 128 * 1024 * 1024
+# A file is closed and PUT once this much Arrow data (uncompressed text) went into it: Snowflake
+# loads the files of one COPY in parallel and advises 100-250 MB compressed per file; the local
+# disk holds one file at a time.
+FILE_BYTES = 256 * 1024 * 1024
 
 # Snowflake's "SQL access control error: Insufficient privileges to operate on schema ...".
 _ACCESS_CONTROL_ERRNO = 3001
@@ -82,13 +82,14 @@ def staged_rows(batches: Iterable[pa.Table]) -> Iterator[list]:
 
 @dataclass
 class ParquetFiles:
-    """Staging batches written as Parquet files of about FILE_BYTES each in `directory`; each
-    complete file is handed to `ship` (which uploads, then deletes it)."""
+    """Staging batches written as Parquet files of about FILE_BYTES of Arrow data each in
+    `directory`; each complete file is handed to `ship` (which uploads, then deletes it)."""
 
     directory: Path
     ship: Callable[[Path], None]
     rows: int = 0
     files: int = 0
+    _bytes: int = 0  # Arrow bytes in the open file
     _writer: pq.ParquetWriter | None = field(default=None, repr=False)
     _path: Path | None = field(default=None, repr=False)
 
@@ -98,14 +99,15 @@ class ParquetFiles:
             self._writer = pq.ParquetWriter(self._path, batch.schema)
         self._writer.write_table(batch, row_group_size=ROWS_PER_GROUP)
         self.rows += batch.num_rows
-        if self._path is not None and os.path.getsize(self._path) >= FILE_BYTES:
+        self._bytes += batch.nbytes
+        if self._bytes >= FILE_BYTES:
             self.finish()
 
     def finish(self) -> None:
         if self._writer is None:
             return
         self._writer.close()
-        path, self._writer, self._path = self._path, None, None
+        path, self._writer, self._path, self._bytes = self._path, None, None, 0
         self.files += 1
         if path is not None:
             self.ship(path)
