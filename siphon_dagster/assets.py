@@ -110,6 +110,7 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         destination = getattr(context.resources, resource_key).open_target()
         progress = SnapshotProgress()
         consistent_points: list[str] = []
+        load_paths: set[str] = set()  # how the target loaded the ranges, when it says (Snowflake)
         ensured: TableSchema | None = None
 
         def report(p: SnapshotProgress) -> None:
@@ -140,6 +141,8 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
                                          f"{spec.qualified_name} as of {consistent_points[-1]}")
                         destination.apply_copy_text(reading.table, reading.chunks(on_progress=report),
                                                     naming.row_version(reading.consistent_point, 0))
+                        if (load_path := getattr(destination, "last_load_path", None)) is not None:
+                            load_paths.add(load_path)
         finally:
             destination.close()
         report(progress)
@@ -154,6 +157,7 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
             "bytes": dg.MetadataValue.int(progress.bytes),
             "rows_per_second": round(progress.rows / progress.seconds, 1),
             "seconds": round(progress.seconds, 3),
+            **({"load_path": ",".join(sorted(load_paths))} if load_paths else {}),
         })
 
     return _snapshot
