@@ -183,6 +183,12 @@ class SnowflakeTargetConfig(_Model):
     host: str | None = None
     port: int | None = None
     protocol: str | None = None
+    # -- loading through a stage --
+    # Batches of at least this many rows travel as Parquet files through a temporary stage and a
+    # COPY INTO; smaller ones (where a PUT and a COPY cost more than they save) as INSERT ... VALUES.
+    stage_min_rows: int = Field(default=1000, ge=0)
+    # Where Parquet files wait for their PUT (None: the system's temporary directory).
+    stage_directory: str | None = None
 
 
 class TargetsConfig(_Model):

@@ -135,6 +135,7 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
             "rows_per_second": round(progress.rows / progress.seconds, 1),
             "seconds": round(progress.seconds, 3),
             "retried_ranges": summary.retries,
+            **({"load_path": load_path} if (load_path := getattr(destination, "last_load_path", None)) else {}),
         })
 
     return _snapshot

@@ -56,6 +56,8 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
                 "first_sequence": report.first_sequence,
                 "last_sequence": report.last_sequence,
             }
+            if report.load_path is not None:
+                metadata["load_path"] = report.load_path
             if report.warnings:
                 # Beside the run log, so the asset's history shows which batch needs an operator.
                 metadata["warnings"] = dg.MetadataValue.md("\n".join(f"- {w}" for w in report.warnings))

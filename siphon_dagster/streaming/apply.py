@@ -34,6 +34,7 @@ class AppliedBatch:
     toast: ToastStats
     seconds: dict[str, float] = field(default_factory=dict)  # schema, spark (decode+fold+collect), merge, toast, apply
     prepared_early: bool = False
+    load_path: str | None = None  # how the target loaded the rows, when it says (Snowflake: stage or insert)
 
 
 @dataclass
@@ -119,10 +120,12 @@ class BatchApplier:
         started = time.perf_counter()
         if prepared.truncated_at is not None:
             self.target.tombstone_all(table, prepared.truncated_at)
+        load_path = None
         if rows.num_rows:
             self.target.apply_rows(table, rows)
+            load_path = getattr(self.target, "last_load_path", None)
         seconds["apply"] = _lap(started)
-        return AppliedBatch(table, rows.num_rows, prepared.truncated_at, toast, seconds, prepared.early)
+        return AppliedBatch(table, rows.num_rows, prepared.truncated_at, toast, seconds, prepared.early, load_path)
 
 
 def change_rows(folded: pa.Table, table: TableSchema) -> pa.Table:

@@ -322,6 +322,7 @@ class StreamConsumer:
             unchanged_values_filled=applied.toast.total if applied is not None else 0,
             seconds=timings, warnings=tuple(warnings),
             prepared_early=applied.prepared_early if applied is not None else False,
+            load_path=applied.load_path if applied is not None else None,
         )
 
 

@@ -28,6 +28,7 @@ class BatchReport:
     # What an operator must act on, e.g. rows that predate an added column need a resync.
     warnings: tuple[str, ...] = ()
     prepared_early: bool = False  # decoded and folded while the batch before was written
+    load_path: str | None = None  # how the target loaded the batch, when it says (Snowflake: stage or insert)
 
     @property
     def applied_lsn_text(self) -> str:

@@ -163,8 +163,9 @@ def _combine(batches: list[AppliedBatch]) -> AppliedBatch | None:
         for name, value in batch.seconds.items():
             seconds[name] = seconds.get(name, 0.0) + value
     truncates = [b.truncated_at for b in batches if b.truncated_at is not None]
+    load_paths = sorted({b.load_path for b in batches if b.load_path is not None})
     return AppliedBatch(batches[-1].schema, sum(b.rows for b in batches), max(truncates) if truncates else None,
-                        toast, seconds)
+                        toast, seconds, load_path=",".join(load_paths) or None)
 
 
 async def _settled(early: Awaitable[PreparedBatch | None] | None) -> PreparedBatch | None:

@@ -1,16 +1,20 @@
 """The Snowflake target: one row per key, kept by a version-guarded MERGE from a staged batch.
 
 Batches are staged as text in a temporary table and converted by Snowflake itself with the type
-mapping's expressions, so the stream and snapshots share one conversion.
+mapping's expressions, so the stream and snapshots share one conversion. A batch reaches that table
+as Parquet files through a temporary stage and a COPY (`snowflake_stage`), or, when it is small or
+the role may not create a stage, as INSERT ... VALUES.
 """
 
 from __future__ import annotations
 
 import re
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from itertools import islice
+from itertools import chain, islice
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -18,7 +22,9 @@ import snowflake.connector
 from snowflake.connector.errors import Error as SnowflakeError
 
 from siphon_core.config import SnowflakeTargetConfig
+from siphon_core.logs import get_logger
 from siphon_dagster.targets import snowflake_sql as sql
+from siphon_dagster.targets import snowflake_stage as stage
 from siphon_dagster.targets.base import (
     SchemaChange,
     SourceColumn,
@@ -36,6 +42,8 @@ MAX_BINDS_PER_STATEMENT = 16000
 # Keys per lookup statement in read_current_values.
 KEYS_PER_LOOKUP = 500
 
+_log = get_logger("targets.snowflake")
+
 
 class SnowflakeTarget:
     name = "snowflake"
@@ -45,6 +53,12 @@ class SnowflakeTarget:
         self.database = sql.configured_identifier(config.database)
         self.schema = sql.configured_identifier(config.schema_)
         self._connection: Any = None
+        self._load_stage: str | None = None  # this session's temporary stage, once created
+        self._statements = 0
+        # How the last apply reached the staging table ("stage" or "insert"), and the statements
+        # it ran: the streaming report and the benchmarks read them.
+        self.last_load_path: str | None = None
+        self.last_load_statements = 0
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -80,12 +94,14 @@ class SnowflakeTarget:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
+            self._load_stage = None  # a temporary stage ends with its session
 
     def _names(self, table: TableSchema) -> sql.TableNames:
         return sql.TableNames(table=table, database=self.database, schema=self.schema)
 
     def _execute(self, names: sql.TableNames, what: str, statement: str, params: Sequence[Any] | None = None) -> Any:
         cursor = self._connect().cursor()
+        self._statements += 1
         try:
             cursor.execute(statement, params)
         except SnowflakeError as error:
@@ -200,15 +216,35 @@ class SnowflakeTarget:
     # -- writes ----------------------------------------------------------------------------------
 
     @contextmanager
-    def _stage(self, names: sql.TableNames) -> Iterator[str]:
-        stage = f"siphon_stage_{uuid.uuid4().hex}"
-        self._execute(names, "creating a stage table", sql.create_stage(stage, names.table))
+    def _staging_table(self, names: sql.TableNames) -> Iterator[str]:
+        staging = f"siphon_stage_{uuid.uuid4().hex}"
+        self._execute(names, "creating a stage table", sql.create_stage(staging, names.table))
         try:
-            yield stage
+            yield staging
         finally:
-            self._execute(names, "dropping a stage table", f"DROP TABLE IF EXISTS {sql.quote(stage)}")
+            self._execute(names, "dropping a stage table", f"DROP TABLE IF EXISTS {sql.quote(staging)}")
 
-    def _fill_stage(self, names: sql.TableNames, stage: str, rows: Iterable[list[Any]]) -> int:
+    def _fill_staging_table(self, names: sql.TableNames, staging: str, batches: Iterable[pa.Table]) -> int:
+        """Fills the staging table with staging batches (`snowflake_stage.staging_names`); returns
+        the rows staged. Through files when there are at least `stage_min_rows` rows and the role
+        may create a stage, otherwise with INSERT."""
+        iterator = iter(batches)
+        head: list[pa.Table] = []
+        rows = 0
+        for batch in iterator:
+            head.append(batch)
+            rows += batch.num_rows
+            if rows >= self.config.stage_min_rows:
+                break
+        batches = chain(head, iterator)
+        load_stage = self._stage_for_load(names) if rows >= max(1, self.config.stage_min_rows) else None
+        if load_stage is None:
+            self.last_load_path = stage.INSERT_PATH
+            return self._insert_rows(names, staging, stage.staged_rows(batches))
+        self.last_load_path = stage.STAGE_PATH
+        return self._copy_files(names, staging, load_stage, batches)
+
+    def _insert_rows(self, names: sql.TableNames, staging: str, rows: Iterable[list[Any]]) -> int:
         width = len(names.table.columns) + 2
         per_statement = max(1, min(STAGE_ROWS_PER_STATEMENT, MAX_BINDS_PER_STATEMENT // width))
         # One multi-row INSERT per slice: a few round trips per batch, and never more than one slice
@@ -217,13 +253,72 @@ class SnowflakeTarget:
         iterator = iter(rows)
         while batch := list(islice(iterator, per_statement)):
             params = [value for row in batch for value in row]
-            self._execute(names, "staging rows", sql.insert_stage(stage, names.table, len(batch)), params)
+            self._execute(names, "staging rows", sql.insert_stage(staging, names.table, len(batch)), params)
             total += len(batch)
         return total
 
-    def _merge(self, names: sql.TableNames, stage: str, targets: Sequence[str]) -> None:
+    def _copy_files(self, names: sql.TableNames, staging: str, load_stage: str, batches: Iterable[pa.Table]) -> int:
+        """Parquet files, each PUT to a directory of the stage once written (and deleted here), then
+        one COPY of the directory into the staging table."""
+        directory = stage.new_load_directory()
+
+        def ship(path: Path) -> None:
+            self._execute(names, "uploading a batch file", stage.put(path, load_stage, directory))
+            path.unlink()
+
+        with tempfile.TemporaryDirectory(prefix="siphon-load-", dir=self.config.stage_directory) as local:
+            files = stage.ParquetFiles(Path(local), ship)
+            try:
+                for batch in batches:
+                    files.write(batch)
+                files.finish()
+            finally:
+                files.abandon()
+        # A COPY that fails leaves its files in the stage, which ends with the session.
+        results = self._fetch(names, "copying staged files into the stage table",
+                              stage.copy_into(staging, names.table, load_stage, directory))
+        loaded = sum(int(result[3]) for result in results)
+        if loaded != files.rows:
+            raise TargetError(names.describe(
+                f"COPY loaded {loaded} rows of {files.rows} from {files.files} staged files: {results}"))
+        return files.rows
+
+    def _location(self) -> tuple[str, ...]:
+        return (self.config.account, self.config.user, self.config.role or "", self.database, self.schema)
+
+    def _stage_for_load(self, names: sql.TableNames) -> str | None:
+        """This session's temporary stage, created on first use; None when the role may not create
+        one here (then every load of this process into this schema uses INSERT, said once)."""
+        if stage.stage_refused(self._location()):
+            return None
+        if self._load_stage is None:
+            name = stage.new_stage_name()
+            try:
+                self._create_load_stage(name)
+            except SnowflakeError as error:
+                if not stage.is_missing_stage_privilege(error):
+                    raise TargetError(names.describe(f"creating a load stage failed: {error}")) from error
+                if stage.refuse_stage(self._location()):
+                    schema = f"{sql.quote(self.database)}.{sql.quote(self.schema)}"
+                    role = self.config.role or f"the default role of {self.config.user}"
+                    grantee = sql.quote(self.config.role) if self.config.role else "<role>"
+                    _log.warning(
+                        f"snowflake: {role} lacks CREATE STAGE on schema {schema}; loading with INSERT from now "
+                        f"on, which is much slower for large batches; grant it with GRANT CREATE STAGE ON "
+                        f"SCHEMA {schema} TO ROLE {grantee}",
+                        error=str(error).splitlines()[0],
+                    )
+                return None
+            self._load_stage = name
+        return self._load_stage
+
+    def _create_load_stage(self, name: str) -> None:
+        self._statements += 1
+        self._connect().cursor().execute(stage.create_stage(name))
+
+    def _merge(self, names: sql.TableNames, staging: str, targets: Sequence[str]) -> None:
         self._write_each(names, targets,
-                         lambda target: self._execute(names, "merging a batch", sql.merge(target, stage, names.table)))
+                         lambda target: self._execute(names, "merging a batch", sql.merge(target, staging, names.table)))
 
     def _write_targets(self, names: sql.TableNames) -> list[str]:
         # The resync table first, then the live one: a swap between the two writes leaves the rows
@@ -248,13 +343,11 @@ class SnowflakeTarget:
         expected = change_batch_schema(table)
         if rows.schema.names != expected.names:
             raise TargetError(names.describe(f"batch columns {rows.schema.names} differ from {expected.names}"))
-        columns = [rows.column(i).to_pylist() for i in range(rows.num_columns)]
-        version_index = len(table.columns)
-        # Versions travel as text: a 96-bit integer is not a bind type every client agrees on.
-        columns[version_index] = [str(v) for v in columns[version_index]]
-        with self._stage(names) as stage:
-            self._fill_stage(names, stage, (list(row) for row in zip(*columns, strict=True)))
-            self._merge(names, stage, self._write_targets(names))
+        started = self._statements
+        with self._staging_table(names) as staging:
+            self._fill_staging_table(names, staging, [stage.staging_batch(table, rows)])
+            self._merge(names, staging, self._write_targets(names))
+        self.last_load_statements = self._statements - started
         return rows.num_rows
 
     def apply_copy_text(
@@ -262,21 +355,22 @@ class SnowflakeTarget:
     ) -> int:
         names = self._names(table)
         width = len(table.columns)
-        version_text = str(version)
 
-        def staged_rows() -> Iterator[list[Any]]:
+        def checked_rows() -> Iterator[list[str | None]]:
             for number, values in enumerate(iter_copy_rows(chunks), start=1):
                 if len(values) != width:
                     raise TargetError(
                         names.describe(f"COPY row {number} has {len(values)} fields, the table has {width} columns")
                     )
-                yield [*values, version_text, False]
+                yield values
 
+        started = self._statements
         targets = [names.shadow] if shadow else self._write_targets(names)
-        # Rows stream from the chunks into the stage table; the MERGE then runs inside Snowflake.
-        with self._stage(names) as stage:
-            count = self._fill_stage(names, stage, staged_rows())
-            self._merge(names, stage, targets)
+        # Rows stream from the chunks into the staging table; the MERGE then runs inside Snowflake.
+        with self._staging_table(names) as staging:
+            count = self._fill_staging_table(names, staging, stage.copy_text_batches(table, checked_rows(), version))
+            self._merge(names, staging, targets)
+        self.last_load_statements = self._statements - started
         return count
 
     def tombstone_all(self, table: TableSchema, version: int) -> int:

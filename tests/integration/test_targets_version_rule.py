@@ -1,5 +1,6 @@
 """The version rule at every target: the same scenarios, applied through the Target interface, for
-ClickHouse (embedded server) and Snowflake (fakesnow server).
+ClickHouse (embedded server) and Snowflake (fakesnow server), the latter loading every batch once
+with INSERT (`snowflake`) and once through a stage and COPY (`snowflake_stage`).
 
 A scenario is a list of steps, each a change batch, a snapshot (COPY text) or a truncate, followed
 by the current rows the target must show, as PostgreSQL text.
@@ -17,7 +18,9 @@ from siphon_core.config import parse_config
 from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, change_batch_schema
 
-TARGETS = ["clickhouse", "snowflake"]
+TARGETS = ["clickhouse", "snowflake", "snowflake_stage"]
+# How each Snowflake variant loads a batch: `stage_min_rows` sends every batch one way.
+SNOWFLAKE_LOADS = {"snowflake": ("insert", 10**9), "snowflake_stage": ("stage", 0)}
 
 
 def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str) -> dict:
@@ -25,7 +28,9 @@ def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str)
     if name == "clickhouse":
         return {"url": request.getfixturevalue("clickhouse_url"), "database": unique_name}
     env = request.getfixturevalue("snowflake_env")
+    _path, stage_min_rows = SNOWFLAKE_LOADS.get(name, ("stage", 1000))
     return {
+        "stage_min_rows": stage_min_rows,
         "account": env["SIPHON_SNOWFLAKE_ACCOUNT"],
         "user": env["SIPHON_SNOWFLAKE_USER"],
         "password": env["SIPHON_SNOWFLAKE_PASSWORD"],
@@ -37,13 +42,21 @@ def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str)
     }
 
 
-def make_target(request: pytest.FixtureRequest, name: str, unique_name: str) -> Target:
-    """A target whose database (ClickHouse) or schema (Snowflake) belongs to this test alone."""
+def make_target(request: pytest.FixtureRequest, name: str, unique_name: str, **settings: object) -> Target:
+    """A target whose database (ClickHouse) or schema (Snowflake) belongs to this test alone;
+    `settings` override its siphon.yaml keys."""
+    kind = "snowflake" if name.startswith("snowflake") else name
     config = parse_config(
         {"application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"}, "tables": [{"name": "public.t"}],
-         "targets": {name: target_settings(request, name, unique_name)}}
+         "targets": {kind: {**target_settings(request, name, unique_name), **settings}}}
     )
-    return build_target(name, config)
+    return build_target(kind, config)
+
+
+def assert_load_path(target: Target, variant: str) -> None:
+    """A Snowflake variant loaded its last batch the way it is set to."""
+    if variant in SNOWFLAKE_LOADS:
+        assert target.last_load_path == SNOWFLAKE_LOADS[variant][0]  # type: ignore[attr-defined]
 
 
 @pytest.fixture(params=TARGETS)
@@ -51,6 +64,12 @@ def target(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Target]
     built = make_target(request, request.param, unique_name)
     yield built
     built.close()
+
+
+@pytest.fixture
+def variant(request: pytest.FixtureRequest) -> str:
+    """The `target` parameter of this test: clickhouse, snowflake or snowflake_stage."""
+    return request.node.callspec.params["target"]
 
 
 NOTES = TableSchema(
@@ -151,21 +170,23 @@ SCENARIOS = [
 ]
 
 
-def run_steps(target: Target, table: TableSchema, steps: list) -> None:
+def run_steps(target: Target, table: TableSchema, steps: list, variant: str = "") -> None:
     for step in steps:
         if isinstance(step, Rows):
             target.apply_rows(table, batch(table, step.rows))
+            assert_load_path(target, variant)
         elif isinstance(step, Snapshot):
             target.apply_copy_text(table, iter([step.copy_text]), step.version)
+            assert_load_path(target, variant)
         else:
             current_before = target.count_current(table)
             assert target.tombstone_all(table, step.version) == current_before
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
-def test_version_rule(target: Target, scenario: Scenario) -> None:
+def test_version_rule(target: Target, variant: str, scenario: Scenario) -> None:
     assert target.ensure_table(NOTES).created
-    run_steps(target, NOTES, scenario.steps)
+    run_steps(target, NOTES, scenario.steps, variant)
     assert target.current_rows_as_text(NOTES) == scenario.current
     assert target.count_current(NOTES) == len(scenario.current)
     assert target.max_version(NOTES) == scenario.max_version
@@ -184,7 +205,7 @@ AWKWARD = TableSchema(
 )
 
 
-def test_composite_key_and_awkward_identifiers(target: Target) -> None:
+def test_composite_key_and_awkward_identifiers(target: Target, variant: str) -> None:
     assert target.ensure_table(AWKWARD).created
     rows = [
         ("a b", "1", "first", "1.5", "t", 10, False),
@@ -195,6 +216,7 @@ def test_composite_key_and_awkward_identifiers(target: Target) -> None:
     target.apply_rows(AWKWARD, batch(AWKWARD, rows))
     target.apply_rows(AWKWARD, batch(AWKWARD, [("c'd", "1", None, None, None, 13, True)]))
     target.apply_copy_text(AWKWARD, iter([b"a b\t2\tsnap\t-0\tt\n", b"e\\tf\t3\tx\\\\y\t1e+300\t\\N\n"]), 12)
+    assert_load_path(target, variant)
     assert target.current_rows_as_text(AWKWARD) == [
         ("a b", "1", "first", "1.5", "t"),
         ("a b", "2", "snap", "-0", "t"),
@@ -233,13 +255,15 @@ def test_a_widened_integer_column_is_widened_in_place(target: Target) -> None:
     assert [c.split(":")[0] for c in target.ensure_table(narrowed).incompatible] == ["score"]
 
 
-def test_resync_through_shadow_keeps_the_view_readable(target: Target) -> None:
+def test_resync_through_shadow_keeps_the_view_readable(target: Target, variant: str) -> None:
     target.ensure_table(NOTES)
     target.apply_rows(NOTES, batch(NOTES, [row(1, "drifted", 1, 10), row(2, "kept", 2, 10)]))
     target.create_shadow(NOTES)
     # The resync's snapshot goes to the shadow only; the stream meanwhile writes to both.
     target.apply_copy_text(NOTES, iter([b"2\tkept\t2\n3\tnew\t3\n"]), 20, shadow=True)
+    assert_load_path(target, variant)
     target.apply_rows(NOTES, batch(NOTES, [row(3, "streamed", 4, 30)]))
+    assert_load_path(target, variant)
     assert target.current_rows_as_text(NOTES) == [("1", "drifted", "1"), ("2", "kept", "2"), ("3", "streamed", "4")]
     target.swap_shadow(NOTES)
     assert target.current_rows_as_text(NOTES) == [("2", "kept", "2"), ("3", "streamed", "4")]

@@ -3,7 +3,8 @@
 A PostgreSQL table has one column per type and rows of edge values. Its text output (under the
 walsender's pinned settings) goes to the target twice: as COPY text (the snapshot path) and as a
 change batch (the stream path). What the target renders back must equal PostgreSQL's output for
-every value.
+every value. Snowflake is loaded both ways a batch can travel: INSERT ... VALUES and Parquet files
+through a stage and a COPY.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from psycopg import sql
 
 from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, change_batch_schema
 from siphon_dagster.targets.copy_text import iter_copy_rows
-from tests.integration.test_targets_version_rule import TARGETS, make_target
+from tests.integration.test_targets_version_rule import TARGETS, assert_load_path, make_target
 
 # The settings the producer's replication connection pins (and a snapshot's COPY session uses).
 SESSION_SETTINGS = {
@@ -205,6 +206,11 @@ def target(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Target]
     built.close()
 
 
+@pytest.fixture
+def variant(request: pytest.FixtureRequest) -> str:
+    return request.node.callspec.params["target"]
+
+
 def test_copy_text_reader_matches_postgres(source: Source) -> None:
     """The COPY text parser (used by row-based targets) decodes exactly what PostgreSQL printed."""
     assert [tuple(r) for r in iter_copy_rows(source.copy_chunks())] == source.text_rows()
@@ -230,10 +236,11 @@ def rechunked(chunks: list[bytes], size: int) -> Iterator[bytes]:
     return (data[i : i + size] for i in range(0, len(data), size))
 
 
-def test_snapshot_path_round_trips_every_type(source: Source, target: Target) -> None:
+def test_snapshot_path_round_trips_every_type(source: Source, target: Target, variant: str) -> None:
     table = source.schema_for("all_types_copy")
     target.ensure_table(table)
     assert target.apply_copy_text(table, rechunked(source.copy_chunks(), 97), version=1) == ROW_COUNT
+    assert_load_path(target, variant)
     assert_same_text(table, target.current_rows_as_text(table), source.text_rows())
 
 
@@ -254,7 +261,7 @@ def random_floats(count: int) -> list[tuple[str, str]]:
     return pairs
 
 
-def test_random_floats_round_trip(postgres_dsn: str, target: Target, unique_name: str) -> None:
+def test_random_floats_round_trip(postgres_dsn: str, target: Target, variant: str, unique_name: str) -> None:
     """Thousands of random float4/float8 values print exactly as PostgreSQL prints them."""
     source = Source(postgres_dsn, unique_name)
     source.connection.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(unique_name)))
@@ -269,12 +276,13 @@ def test_random_floats_round_trip(postgres_dsn: str, target: Target, unique_name
     table = source.schema_for("floats")
     target.ensure_table(table)
     target.apply_copy_text(table, iter(source.copy_chunks()), version=1)
+    assert_load_path(target, variant)
     assert_same_text(table, target.current_rows_as_text(table), source.text_rows())
     source.connection.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(unique_name)))
     source.connection.close()
 
 
-def test_stream_path_round_trips_every_type(source: Source, target: Target) -> None:
+def test_stream_path_round_trips_every_type(source: Source, target: Target, variant: str) -> None:
     table = source.schema_for("all_types_rows")
     target.ensure_table(table)
     expected = source.text_rows()
@@ -284,6 +292,7 @@ def test_stream_path_round_trips_every_type(source: Source, target: Target) -> N
     arrays.append(pa.array([10 + i for i in range(len(expected))], schema.field(len(columns)).type))
     arrays.append(pa.array([False] * len(expected)))
     assert target.apply_rows(table, pa.Table.from_arrays(arrays, schema=schema)) == len(expected)
+    assert_load_path(target, variant)
     assert_same_text(table, target.current_rows_as_text(table), expected)
     # Lookups by key render the same text.
     wanted = [c.name for c in table.columns[1:]]

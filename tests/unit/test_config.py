@@ -76,6 +76,8 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
          "tables[0] (public.a).targets: Value error, ['clickhous'] are not targets"),
         ({"tables": [{"name": "public.a", "targets": ["snowflake"]}]},
          "tables: 'public.a' names target(s) ['snowflake'], which are not configured under targets:"),
+        ({"targets": {"snowflake": {"account": "a", "user": "u", "stage_min_rows": -1}}},
+         "targets.snowflake.stage_min_rows: Input should be greater than or equal to 0"),
     ],
 )
 def test_errors_name_the_file_the_table_and_the_key(change, expected):
