@@ -1,4 +1,4 @@
-"""`siphon-dagster partitions refresh|list` and `siphon-dagster target drop`.
+"""`siphon-dagster partitions refresh|list`, `siphon-dagster target drop` and `siphon-dagster check`.
 
 `partitions refresh` adds the partitions of every table's current size to the Dagster instance
 (what the partitions sensor does every minute), so a fresh instance can materialize from the CLI at
@@ -34,12 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("action", choices=("drop",))
     target.add_argument("--target", required=True, help="clickhouse or snowflake")
     target.add_argument("--table", required=True, help="schema.table, as in siphon.yaml")
+    # -- checks ----------------------------------------------------------------------------------
+    checks = sub.add_parser("check", help="run the asset checks through Dagster and print one line per check")
+    checks.add_argument("--table", help="schema.table (default: every table)")
+    checks.add_argument("--target", help="clickhouse or snowflake (default: every target of the table)")
+    # -------------------------------------------------------------------------------------------
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config) if args.config else load_config_from_environment()
     except ConfigError as error:
         print(f"siphon-dagster: {error}", file=sys.stderr)
         return 2
+    if args.command == "check":
+        from siphon_dagster.checks.command import main as check_main
+
+        return check_main(config, args.table, args.target)
     specs = table_specs(config)
     if args.table:
         specs = [s for s in specs if s.qualified_name == args.table]

@@ -6,6 +6,7 @@ import dagster as dg
 
 from siphon_core.config import SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
+from siphon_dagster.checks.definitions import build_asset_checks, build_checks_job, build_checks_schedule
 from siphon_dagster.jobs import build_stream_job
 from siphon_dagster.resources import (
     ClickHouseResource,
@@ -51,9 +52,14 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
     group = group_name(config.application_identifier)
     stream_jobs = {(target, spec.qualified_name): build_stream_job(spec, target)
                    for spec in specs for target in spec.targets}
+    # Checks on every target asset, their job and schedule (siphon_dagster.checks).
+    asset_checks = build_asset_checks(specs, config)
+    checks_job = build_checks_job(group, asset_checks)
     return dg.Definitions(
         assets=assets,
-        jobs=list(stream_jobs.values()),
+        asset_checks=asset_checks,
+        schedules=[build_checks_schedule(group, checks_job, config)],
+        jobs=[*stream_jobs.values(), checks_job],
         sensors=[
             build_partitions_sensor(specs, group),
             build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),

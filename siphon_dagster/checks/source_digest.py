@@ -1,0 +1,102 @@
+"""The source side of the row digests (see checks.digest), computed by PostgreSQL itself.
+
+Values are `col::text` on a connection with the pinned session settings (source.connect), the text
+the stream and the snapshots carry. Reads share one REPEATABLE READ transaction per check, so the
+counts, the bucket digests and the rows of mismatched buckets all describe one snapshot; its LSN is
+read after its first query, so every commit it sees is at or before that LSN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from siphon_core import naming
+from siphon_dagster import source
+from siphon_dagster.checks.digest import SEPARATOR_CODE, BucketDigest, SourceRow
+from siphon_dagster.targets.base import TableSchema
+
+_SEPARATOR = sql.SQL(f"chr({SEPARATOR_CODE})")
+
+
+@contextmanager
+def snapshot_read(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """A read-only REPEATABLE READ transaction: every query in it sees one snapshot."""
+    with source.connect(dsn) as connection:
+        connection.execute("set transaction isolation level repeatable read, read only")
+        try:
+            yield connection
+        finally:
+            connection.rollback()
+
+
+def snapshot_lsn(connection: psycopg.Connection[Any]) -> int:
+    """Call after the transaction's first query: its snapshot then exists, and sees no commit after this."""
+    return naming.parse_lsn(connection.execute("select pg_current_wal_lsn()::text").fetchone()[0])
+
+
+def _relation(table: TableSchema) -> sql.Composable:
+    return sql.Identifier(table.schema, table.table)
+
+
+def key_text(table: TableSchema) -> sql.Composable:
+    return _SEPARATOR.join(sql.SQL("{}::text").format(sql.Identifier(c.name)) for c in table.key_columns) \
+        if len(table.key_columns) > 1 else sql.SQL("{}::text").format(sql.Identifier(table.key_columns[0].name))
+
+
+def row_hash(table: TableSchema) -> sql.Composable:
+    parts = [sql.SQL("coalesce('1' || {}::text, '0')").format(sql.Identifier(c.name)) for c in table.columns]
+    return sql.SQL("md5({})").format(sql.SQL(" || {} || ").format(_SEPARATOR).join(parts))
+
+
+def count_rows(connection: psycopg.Connection[Any], table: TableSchema) -> int:
+    return int(connection.execute(sql.SQL("select count(*) from {}").format(_relation(table))).fetchone()[0])
+
+
+def bucket_digests(connection: psycopg.Connection[Any], table: TableSchema, digits: int) -> dict[str, BucketDigest]:
+    # COLLATE "C": hex digits sort by byte, as ClickHouse's arraySort and Snowflake's LISTAGG sort them.
+    query = sql.SQL(
+        "select substr(md5(kt), 1, %s) as b, count(*), md5(string_agg(h, '' order by h collate \"C\")) "
+        "from (select {kt} as kt, {h} as h from {t}) s group by 1"
+    ).format(kt=key_text(table), h=row_hash(table), t=_relation(table))
+    return {bucket: BucketDigest(int(rows), digest)
+            for bucket, rows, digest in connection.execute(query, (digits,)).fetchall()}
+
+
+def _row_query(table: TableSchema, where: sql.Composable) -> sql.Composable:
+    keys = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c.name)) for c in table.key_columns)
+    # A ctid's block names the snapshot partition (block range) that reads the row.
+    return sql.SQL("select {keys}, {h}, (ctid::text::point)[0]::bigint from {t} as t where {where}").format(
+        keys=keys, h=row_hash(table), t=_relation(table), where=where)
+
+
+def _rows(connection: psycopg.Connection[Any], query: sql.Composable, params: Sequence[Any],
+          width: int) -> dict[tuple[str, ...], SourceRow]:
+    return {tuple(row[:width]): SourceRow(row[width], int(row[width + 1]))
+            for row in connection.execute(query, params).fetchall()}
+
+
+def bucket_rows(connection: psycopg.Connection[Any], table: TableSchema, digits: int,
+                buckets: Sequence[str]) -> dict[tuple[str, ...], SourceRow]:
+    where = sql.SQL("substr(md5({}), 1, %s) = any(%s)").format(key_text(table))
+    return _rows(connection, _row_query(table, where), (digits, list(buckets)), len(table.key_columns))
+
+
+def key_rows(connection: psycopg.Connection[Any], table: TableSchema,
+             keys: Sequence[tuple[str, ...]]) -> dict[tuple[str, ...], SourceRow]:
+    """The rows of keys given as text; the key's own types are compared, so its index serves."""
+    columns = table.key_columns
+    # format_type's output is the catalog's own spelling of the type, with any identifier in it quoted.
+    matches = sql.SQL(" and ").join(
+        sql.SQL("t.{} = cast(k.{} as {})").format(sql.Identifier(c.name), sql.Identifier(f"k{i}"), sql.SQL(c.type_name))
+        for i, c in enumerate(columns))
+    arrays = sql.SQL(", ").join(sql.SQL("%s::text[]") for _ in columns)
+    names = sql.SQL(", ").join(sql.Identifier(f"k{i}") for i in range(len(columns)))
+    where = sql.SQL("exists (select from unnest({arrays}) as k({names}) where {matches})").format(
+        arrays=arrays, names=names, matches=matches)
+    params = [[key[i] for key in keys] for i in range(len(columns))]
+    return _rows(connection, _row_query(table, where), params, len(columns))
