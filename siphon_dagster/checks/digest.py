@@ -17,7 +17,7 @@ from siphon_dagster.partitions import BlockRange
 from siphon_dagster.targets.base import BucketDigest, TargetRow
 
 SEPARATOR_CODE = 31
-ROWS_PER_BUCKET = 150
+MIN_ROWS_PER_BUCKET = 100
 MAX_DIGITS = 5
 
 # The kinds of a divergent key.
@@ -58,9 +58,10 @@ class ParityReport:
 
 
 def bucket_digits(rows: int) -> int:
-    """Hex digits of the bucket prefix so a bucket holds about ROWS_PER_BUCKET rows (1 to 5)."""
+    """Hex digits of the bucket prefix (1 to 5): the most that keep MIN_ROWS_PER_BUCKET rows in a
+    bucket, so a mismatch reads 100-1600 rows (10 million rows: 4 digits, 153 rows a bucket)."""
     digits = 1
-    while digits < MAX_DIGITS and rows / 16**digits > ROWS_PER_BUCKET:
+    while digits < MAX_DIGITS and rows / 16 ** (digits + 1) >= MIN_ROWS_PER_BUCKET:
         digits += 1
     return digits
 

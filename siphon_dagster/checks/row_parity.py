@@ -19,7 +19,7 @@ from siphon_dagster.checks.digest import ParityReport, bucket_digits, classify, 
 from siphon_dagster.checks.outcome import ERROR, CheckContext, Outcome
 from siphon_dagster.checks.stream_position import StreamWatch, wait_until_applied
 from siphon_dagster.specs import TableSpec
-from siphon_dagster.targets.base import Target
+from siphon_dagster.targets.base import TableSchema, Target, TargetError
 
 NAME = "row_parity"
 SEVERITY = ERROR
@@ -41,7 +41,7 @@ def find_divergent_rows(spec: TableSpec, target: Target, source_dsn: str, watch:
     """
     blocks = spec.table.blocks_per_partition
     with source.connect(source_dsn, autocommit=True) as connection:
-        table = source.table_schema(connection, spec.table)
+        table = compared_columns(source.table_schema(connection, spec.table), target)
     report = ParityReport()
     with source_digest.snapshot_read(source_dsn) as connection:
         report.source_rows = source_digest.count_rows(connection, table)
@@ -75,6 +75,16 @@ def find_divergent_rows(spec: TableSpec, target: Target, source_dsn: str, watch:
     report.divergent = divergent
     report.in_flight = in_flight
     return report
+
+
+def compared_columns(table: TableSchema, target: Target) -> TableSchema:
+    """The source's columns the target has: a column not there yet is schema parity's finding, and
+    every row would differ by it."""
+    stored = {c.name for c in target.describe_columns(table)}
+    if not stored:
+        raise TargetError(f"{table.schema}.{table.table} does not exist at {target.location} yet (snapshot its "
+                          "partitions)")
+    return TableSchema(table.schema, table.table, tuple(c for c in table.columns if c.name in stored))
 
 
 def check(context: CheckContext) -> Outcome:

@@ -20,7 +20,7 @@ from siphon_dagster import source
 from siphon_dagster.checks.digest import SEPARATOR_CODE, BucketDigest, SourceRow
 from siphon_dagster.targets.base import TableSchema
 
-_SEPARATOR = sql.SQL(f"chr({SEPARATOR_CODE})")
+_JOIN = sql.SQL(f" || chr({SEPARATOR_CODE}) || ")
 
 
 @contextmanager
@@ -44,13 +44,12 @@ def _relation(table: TableSchema) -> sql.Composable:
 
 
 def key_text(table: TableSchema) -> sql.Composable:
-    return _SEPARATOR.join(sql.SQL("{}::text").format(sql.Identifier(c.name)) for c in table.key_columns) \
-        if len(table.key_columns) > 1 else sql.SQL("{}::text").format(sql.Identifier(table.key_columns[0].name))
+    return _JOIN.join(sql.SQL("{}::text").format(sql.Identifier(c.name)) for c in table.key_columns)
 
 
 def row_hash(table: TableSchema) -> sql.Composable:
     parts = [sql.SQL("coalesce('1' || {}::text, '0')").format(sql.Identifier(c.name)) for c in table.columns]
-    return sql.SQL("md5({})").format(sql.SQL(" || {} || ").format(_SEPARATOR).join(parts))
+    return sql.SQL("md5({})").format(_JOIN.join(parts))
 
 
 def count_rows(connection: psycopg.Connection[Any], table: TableSchema) -> int:
