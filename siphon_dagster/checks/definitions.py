@@ -7,6 +7,7 @@ One multi-asset check per (table, target) holds the four checks, each runnable a
 from collections.abc import Iterator, Sequence
 
 import dagster as dg
+from dagster._core.definitions.asset_checks.asset_checks_definition import AssetChecksDefinition
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 from siphon_core import naming
@@ -37,15 +38,18 @@ def build_table_checks(spec: TableSpec, target: str, config: SiphonConfig) -> dg
     application = config.application_identifier
     slot = config.producer.slot_name or naming.slot_name(application)
 
-    @dg.multi_asset_check(
+    specs = {module.NAME: dg.AssetCheckSpec(module.NAME, asset=spec.target_key(target),
+                                            description=module.DESCRIPTION) for module in CHECKS}
+
+    # Built as @multi_asset_check builds it, but with output names of our own: Dagster derives them
+    # from the asset key, which keeps the source's spelling (any table name) and need not be a valid name.
+    @dg.op(
         name=f"checks_{spec.job_suffix}_{target}",
-        specs=[dg.AssetCheckSpec(module.NAME, asset=spec.target_key(target), description=module.DESCRIPTION)
-               for module in CHECKS],
-        can_subset=True,
+        out={name: dg.Out(None, is_required=False) for name in specs},
         required_resource_keys={"source", "queue", resource_key},
         description=f"Schema, row count, row parity and freshness of {spec.qualified_name} at {target}.",
     )
-    def _checks(context: dg.AssetCheckExecutionContext) -> Iterator[dg.AssetCheckResult]:
+    def _checks(context: dg.OpExecutionContext) -> Iterator[dg.AssetCheckResult]:
         resource = getattr(context.resources, resource_key)
         destination = resource.open_target()
         secrets = tuple(s for s in (getattr(resource, "password", ""), getattr(resource, "url", "")) if s and
@@ -69,7 +73,8 @@ def build_table_checks(spec: TableSpec, target: str, config: SiphonConfig) -> dg
         finally:
             destination.close()
 
-    return _checks
+    return AssetChecksDefinition.create(node_def=_checks, keys_by_input_name={}, check_specs_by_output_name=specs,
+                                        can_subset=True)
 
 
 def build_asset_checks(specs: Sequence[TableSpec], config: SiphonConfig) -> list[dg.AssetChecksDefinition]:

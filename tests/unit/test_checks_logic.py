@@ -129,3 +129,24 @@ def test_checks_config_defaults_and_errors():
         parse_config({**base, "checks": {"schedule": "hourly"}})
     with pytest.raises(ConfigError, match="checks.freshness_warn_seconds"):
         parse_config({**base, "checks": {"freshness_warn_seconds": 0}})
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_every_target_asset_has_the_four_checks_and_a_schedule(enabled):
+    import dagster as dg
+
+    from siphon_dagster.definitions import build_definitions
+
+    config = parse_config({"application_identifier": "dev.main", "source": {"dsn": "postgresql://x@127.0.0.1:1/x"},
+                           "tables": [{"name": 'public.we"ird'}, {"name": "audit.events"}],
+                           "targets": {"clickhouse": {}, "snowflake": {"account": "a", "user": "u"}},
+                           "checks": {"enabled": enabled, "schedule": "*/30 * * * *"}})
+    definitions = build_definitions(config)
+    keys = {(key.asset_key.to_user_string(), key.name)
+            for check in definitions.asset_checks for key in check.check_keys}
+    assert len(keys) == 2 * 2 * 4
+    assert ('clickhouse/public/we"ird', "row_parity") in keys and ("snowflake/audit/events", "freshness") in keys
+    schedule = definitions.resolve_schedule_def("siphon_dev_main_checks")
+    assert schedule.cron_schedule == "*/30 * * * *"
+    assert schedule.default_status == (dg.DefaultScheduleStatus.RUNNING if enabled else dg.DefaultScheduleStatus.STOPPED)
+    assert schedule.job_name == "siphon_dev_main_checks_job"
