@@ -1,6 +1,6 @@
 """The source side of the row digests (see checks.digest), computed by PostgreSQL itself.
 
-Values are `col::text` on a connection with the pinned session settings (source.connect), the text
+Values are their types' text output on a connection with the pinned session settings (source.connect), the text
 the stream and the snapshots carry. Reads share one REPEATABLE READ transaction per check, so the
 counts, the bucket digests and the rows of mismatched buckets all describe one snapshot; its LSN is
 read after its first query, so every commit it sees is at or before that LSN.
@@ -43,12 +43,21 @@ def _relation(table: TableSchema) -> sql.Composable:
     return sql.Identifier(table.schema, table.table)
 
 
+def value_text(column: str) -> sql.Composable:
+    """The value as its type's output function prints it, as pgoutput and COPY send it: concat()
+    calls that function, where a cast to text may print otherwise (boolean as `true`, inet with its
+    netmask, bpchar without its padding)."""
+    return sql.SQL("concat({})").format(sql.Identifier(column))
+
+
 def key_text(table: TableSchema) -> sql.Composable:
-    return _JOIN.join(sql.SQL("{}::text").format(sql.Identifier(c.name)) for c in table.key_columns)
+    return _JOIN.join(value_text(c.name) for c in table.key_columns)
 
 
 def row_hash(table: TableSchema) -> sql.Composable:
-    parts = [sql.SQL("coalesce('1' || {}::text, '0')").format(sql.Identifier(c.name)) for c in table.columns]
+    parts = [sql.SQL("case when {} is null then '0' else '1' || {} end").format(sql.Identifier(c.name),
+                                                                              value_text(c.name))
+             for c in table.columns]
     return sql.SQL("md5({})").format(_JOIN.join(parts))
 
 
@@ -67,7 +76,7 @@ def bucket_digests(connection: psycopg.Connection[Any], table: TableSchema, digi
 
 
 def _row_query(table: TableSchema, where: sql.Composable) -> sql.Composable:
-    keys = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c.name)) for c in table.key_columns)
+    keys = sql.SQL(", ").join(value_text(c.name) for c in table.key_columns)
     # A ctid's block names the snapshot partition (block range) that reads the row.
     return sql.SQL("select {keys}, {h}, (ctid::text::point)[0]::bigint from {t} as t where {where}").format(
         keys=keys, h=row_hash(table), t=_relation(table), where=where)

@@ -32,7 +32,8 @@ from siphon_stack.process import free_port, start_process, stop_pid
 SCHEMA_DDL = """
 create table {schema}.items (
     id bigserial primary key, title text not null, qty integer, price numeric(12, 2), ratio double precision,
-    tags text[], meta jsonb, blob bytea, ref uuid, at timestamptz default now()
+    tags text[], meta jsonb, blob bytea, ref uuid, at timestamptz default now(),
+    flag boolean default true, addr inet default '10.1.2.3', code char(4) default 'ab'
 );
 create table {schema}.pairs (left_id integer, right_id text, weight real, primary key (left_id, right_id));
 """
