@@ -232,6 +232,32 @@ class SnapshotsConfig(_Model):
 # --- end of snapshots ----------------------------------------------------------------------------
 
 
+# -- checks ------------------------------------------------------------------------------------------
+
+
+class ChecksConfig(_Model):
+    """The asset checks on every target asset (siphon_dagster.checks) and their schedule."""
+
+    enabled: bool = True  # the schedule starts RUNNING; the checks themselves are always declared
+    schedule: str = "0 * * * *"
+    # Freshness warns when the oldest change not yet applied at a target is older than this.
+    freshness_warn_seconds: float = Field(default=300.0, gt=0)
+    row_parity_max_reported_keys: int = Field(default=100, ge=1)
+    # How long a check waits for a table's stream to apply what the source had committed.
+    settle_timeout_seconds: float = Field(default=120.0, gt=0)
+    # Reads of a table whose counts or rows are still moving with the stream, before a verdict.
+    settle_attempts: int = Field(default=3, ge=1)
+    settle_interval_seconds: float = Field(default=2.0, ge=0)
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        # Five fields here; Dagster checks each field when it builds the schedule.
+        if len(value.split()) != 5:
+            raise ValueError(f"'{value}' is not a cron expression of five fields such as '0 * * * *'")
+        return value
+
+
 class SiphonConfig(_Model):
     application_identifier: str
     source: SourceConfig
@@ -242,6 +268,7 @@ class SiphonConfig(_Model):
     spark: SparkConfig = Field(default_factory=SparkConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
+    checks: ChecksConfig = Field(default_factory=ChecksConfig)
 
     @field_validator("application_identifier")
     @classmethod

@@ -169,3 +169,51 @@ class JetStreamQueue:
                 await self._nc.close()
         self._nc = None
         self._js = None
+
+
+# -- positions, for the checks (siphon_dagster.checks) -------------------------------------------
+
+
+async def connect_within(queue: JetStreamQueue, seconds: float = 10.0) -> None:
+    """Connects, or raises QueueError after `seconds` (a first connection to a server that is down
+    would otherwise be retried forever)."""
+    try:
+        await asyncio.wait_for(queue.connect(), seconds)
+    except TimeoutError:
+        raise QueueError(f"cannot connect to NATS at {queue.url} within {seconds:.0f}s") from None
+
+
+@dataclass(frozen=True)
+class ConsumerPosition:
+    """Where a durable consumer stands in the stream."""
+
+    ack_floor: int  # every message of its subject up to this stream sequence is acked
+    pending: int  # not delivered yet, plus delivered and not acked
+
+
+async def last_sequence(queue: JetStreamQueue, subject: str) -> int:
+    """The stream sequence of the subject's last message; 0 when it has none."""
+    try:
+        message = await queue.js.get_last_msg(queue.settings.stream, subject)
+    except NotFoundError:
+        return 0
+    return int(message.seq or 0)
+
+
+async def consumer_position(queue: JetStreamQueue, durable: str) -> ConsumerPosition | None:
+    """None when the consumer does not exist (its table was never streamed to that target)."""
+    try:
+        info = await queue.js.consumer_info(queue.settings.stream, durable)
+    except NotFoundError:
+        return None
+    floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
+    return ConsumerPosition(int(floor or 0), int(info.num_pending or 0) + int(info.num_ack_pending or 0))
+
+
+async def oldest_after(queue: JetStreamQueue, subject: str, sequence: int) -> float | None:
+    """The stored time (Unix seconds) of the subject's first message after `sequence`, or None."""
+    try:
+        message = await queue.js.get_msg(queue.settings.stream, seq=sequence + 1, subject=subject, next=True)
+    except NotFoundError:
+        return None
+    return message.time.timestamp() if message.time is not None else None

@@ -1,4 +1,4 @@
-"""`siphon-dagster partitions refresh|list`, `target drop`, and `snapshot|resync|repair` (see cli_runs).
+"""`siphon-dagster partitions refresh|list`, `target drop`, `check`, and `snapshot|resync|repair` (see cli_runs).
 
 `partitions refresh` adds the partitions of every table's current size to the Dagster instance
 (what the partitions sensor does every minute), so a fresh instance can materialize from the CLI at
@@ -37,12 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("--target", required=True, help="clickhouse or snowflake")
     target.add_argument("--table", required=True, help="schema.table, as in siphon.yaml")
     add_run_commands(sub)
+    # -- checks ----------------------------------------------------------------------------------
+    checks = sub.add_parser("check", help="run the asset checks through Dagster and print one line per check")
+    checks.add_argument("--table", help="schema.table (default: every table)")
+    checks.add_argument("--target", help="clickhouse or snowflake (default: every target of the table)")
+    # -------------------------------------------------------------------------------------------
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config) if args.config else load_config_from_environment()
     except ConfigError as error:
         print(f"siphon-dagster: {error}", file=sys.stderr)
         return 2
+    if args.command == "check":
+        from siphon_dagster.checks.command import main as check_main
+        from siphon_dagster.definitions import build_definitions
+
+        return check_main(config, build_definitions(config), args.table, args.target)
     if args.command in RUN_COMMANDS:
         return run_command(args, config)
     specs = table_specs(config)

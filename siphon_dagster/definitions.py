@@ -6,6 +6,7 @@ import dagster as dg
 
 from siphon_core.config import SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
+from siphon_dagster.checks.definitions import build_asset_checks, build_checks_job, build_checks_schedule
 from siphon_dagster.gap_sensor import build_gap_sensor
 from siphon_dagster.jobs import build_stream_job
 from siphon_dagster.resources import (
@@ -46,20 +47,28 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
                    for spec in specs for target in spec.targets}
     # Resync jobs: `resync_<table>` rebuilds a table at its targets (siphon_dagster.resync); the gap
     # sensor requests them all after a lost slot.
-    resync_job_list = [build_resync_job(spec) for spec in specs]
+    built: list[dg.Definitions] = []  # the checks run through the definitions being built here
+    resync_job_list = [build_resync_job(spec, checks_after=_checks_after_resync(built, group)) for spec in specs]
     resync_jobs = {spec.qualified_name: job for spec, job in zip(specs, resync_job_list, strict=True)}
-    return dg.Definitions(
+    # Checks on every target asset, their job and schedule (siphon_dagster.checks).
+    asset_checks = build_asset_checks(specs, config)
+    checks_job = build_checks_job(group, asset_checks)
+    definitions = dg.Definitions(
         assets=assets,
-        jobs=list(stream_jobs.values()) + resync_job_list,
+        asset_checks=asset_checks,
+        schedules=[build_checks_schedule(group, checks_job, config)],
+        jobs=[*stream_jobs.values(), *resync_job_list, checks_job],
         sensors=[
             build_partitions_sensor(specs, group),
             build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),
             build_gap_sensor(specs, group, resync_jobs),
             # New tables load, failed snapshot partitions run again, each table's state on its asset.
-            build_snapshot_sensor(specs, group, config.snapshots, target_check_keys(assets)),
+            build_snapshot_sensor(specs, group, config.snapshots, target_check_keys([*assets, *asset_checks])),
         ],
         resources=build_resources(config),
     )
+    built.append(definitions)
+    return definitions
 
 
 def target_check_keys(assets: list[object]) -> dict[dg.AssetKey, list[dg.AssetCheckKey]]:
@@ -70,6 +79,30 @@ def target_check_keys(assets: list[object]) -> dict[dg.AssetKey, list[dg.AssetCh
         for check_key in getattr(definition, "check_keys", ()):
             keys.setdefault(check_key.asset_key, []).append(check_key)
     return keys
+
+
+def _checks_after_resync(built: list[dg.Definitions], group: str):
+    """A resync ends by running the table's checks at the rebuilt targets (a run of the checks job,
+    recorded on the assets as any other)."""
+
+    def run(context: dg.OpExecutionContext, spec, targets: list[str]) -> list[str]:
+        from siphon_dagster.checks.command import run_checks, status_line
+        from siphon_dagster.checks.definitions import check_keys
+
+        keys = [key for target in targets for key in check_keys(spec, target)]
+        failed = []
+        for evaluation in run_checks(built[0], group, keys, context.instance):
+            line = status_line(evaluation)
+            if evaluation.passed:
+                context.log.info(line)
+            elif evaluation.severity == dg.AssetCheckSeverity.ERROR:
+                context.log.error(line)
+                failed.append(line)
+            else:
+                context.log.warning(line)
+        return failed
+
+    return run
 
 
 def load_definitions() -> dg.Definitions:

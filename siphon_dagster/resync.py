@@ -59,11 +59,9 @@ def resync_op_name(spec: TableSpec) -> str:
     return f"rebuild_{spec.job_suffix}"
 
 
-def after_swap(context: dg.OpExecutionContext, spec: TableSpec, target: str) -> None:
-    """Runs once a target's rebuilt table is live: where the table's asset checks are to run."""
-
-
-AfterSwap = Callable[[dg.OpExecutionContext, TableSpec, str], None]
+# What a resync ends with: the rebuilt table's checks at the given targets, recorded on the assets;
+# returns the lines of the ERROR checks that failed (none: the rebuild is proven).
+ChecksAfter = Callable[[dg.OpExecutionContext, TableSpec, list[str]], list[str]]
 
 
 @dataclass(frozen=True)
@@ -77,8 +75,7 @@ class ResyncResult:
 def rebuild_target(settings: SnapshotSettings, primary_dsn: str, spec: TableSpec, target: str, destination: Target,
                    *, on_info: Callable[[str], None], on_warning: Callable[[str], None],
                    on_progress: Callable[[SnapshotProgress], None] | None = None,
-                   on_blocked: Callable[[WaitReport], None] | None = None,
-                   on_swapped: Callable[[str], None] = lambda target: None) -> ResyncResult:
+                   on_blocked: Callable[[WaitReport], None] | None = None) -> ResyncResult:
     """Shadow, every block range into it, swap: see the module's docstring for why nothing is lost."""
     ensure = ensure_target_table(destination, target, on_warning)
     with source.connect(primary_dsn, autocommit=True) as catalog:
@@ -103,7 +100,6 @@ def rebuild_target(settings: SnapshotSettings, primary_dsn: str, spec: TableSpec
     except BaseException:
         _abandon(destination, spec, target, columns, on_warning)
         raise
-    on_swapped(target)
     return ResyncResult(target, destination.count_current(final), summary, len(ranges))
 
 
@@ -150,7 +146,7 @@ def refuse_concurrent_resync(instance: dg.DagsterInstance, job_name: str, run_id
                                      "wait for it to end, or terminate it, before starting another")
 
 
-def build_resync_job(spec: TableSpec, on_swapped: AfterSwap = after_swap) -> dg.JobDefinition:
+def build_resync_job(spec: TableSpec, checks_after: ChecksAfter | None = None) -> dg.JobDefinition:
     resource_keys = {f"{target}_target" for target in spec.targets}
 
     @dg.op(name=resync_op_name(spec), required_resource_keys={"source", *resource_keys},
@@ -176,8 +172,7 @@ def build_resync_job(spec: TableSpec, on_swapped: AfterSwap = after_swap) -> dg.
                         on_info=context.log.info, on_warning=context.log.warning,
                         on_progress=lambda p: context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, "
                                                                f"{p.rows / p.seconds:,.0f} rows/s"),
-                        on_blocked=wait_reporter(context, spec.target_key(target)),
-                        on_swapped=lambda swapped: on_swapped(context, spec, swapped))
+                        on_blocked=wait_reporter(context, spec.target_key(target)))
             finally:
                 destination.close()
             progress = result.snapshot.progress
@@ -195,6 +190,11 @@ def build_resync_job(spec: TableSpec, on_swapped: AfterSwap = after_swap) -> dg.
                     "retried_ranges": result.snapshot.retries,
                     "seconds": round(progress.seconds, 3),
                 }))
+        if checks_after is not None:
+            failed = checks_after(context, spec, targets)
+            if failed:
+                raise dg.Failure(description=f"{spec.resync_job_name}: the rebuilt table's checks failed:\n"
+                                             + "\n".join(failed))
 
     @dg.job(name=spec.resync_job_name, tags={RESYNC_TAG: spec.qualified_name, **spec.tags},
             description=f"Rebuilds {spec.qualified_name} at every target it goes to (run config "

@@ -94,6 +94,35 @@ def truncations_table_name(schema: str, table: str) -> str:
     return f"{target_table_name(schema, table)}__truncations"
 
 
+# -- what the checks read (siphon_dagster.checks) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VersionCounts:
+    """A target's rows around a version V (a source read's LSN, position 0)."""
+
+    at_or_below: int  # current rows with version <= V
+    above: int  # current rows with version > V
+    tombstones_above: int  # keys whose latest version is a tombstone (or a TRUNCATE) > V
+
+
+@dataclass(frozen=True)
+class BucketDigest:
+    """Rows of one bucket of keys and the digest of their row hashes (siphon_dagster.checks.digest)."""
+
+    rows: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class TargetRow:
+    """A key's latest version at a target, tombstones included (hash None when deleted)."""
+
+    hash: str | None
+    version: int
+    deleted: bool
+
+
 def change_batch_schema(table: TableSchema) -> pa.Schema:
     fields = [pa.field(c.name, pa.string()) for c in table.columns]
     fields.append(pa.field(VERSION_COLUMN, VERSION_ARROW_TYPE, nullable=False))
@@ -152,6 +181,31 @@ class Target(Protocol):
 
     def describe_columns(self, table: TableSchema) -> list[TargetColumn]:
         """The target table's columns as the target reports them (meta columns included)."""
+
+    # What the checks read; digests as defined in siphon_dagster.checks.digest.
+
+    @property
+    def location(self) -> str:
+        """Where the target is, for messages: its address without credentials."""
+
+    def expected_column_type(self, column: SourceColumn) -> str:
+        """The type the mapping gives a source column, as `describe_columns` spells it."""
+
+    def column_type_matches(self, column: SourceColumn, stored: str) -> bool:
+        """Whether a stored column type is the one the source column maps to."""
+
+    def version_counts(self, table: TableSchema, version: int) -> VersionCounts:
+        """Current rows at or below `version`, above it, and keys deleted after it."""
+
+    def bucket_digests(self, table: TableSchema, digits: int) -> dict[str, BucketDigest]:
+        """Per bucket of current rows (the first `digits` hex digits of md5(key text)): rows and digest."""
+
+    def bucket_rows(self, table: TableSchema, digits: int,
+                    buckets: Sequence[str]) -> dict[tuple[str, ...], TargetRow]:
+        """The latest version of every key of those buckets, tombstones included, keyed by key text."""
+
+    def key_rows(self, table: TableSchema, keys: Sequence[tuple[str, ...]]) -> dict[tuple[str, ...], TargetRow]:
+        """The latest version of keys given as text, tombstones included."""
 
     def drop_table(self, table: TableSchema) -> None:
         """Drops the table and its view (resync rebuilds it)."""

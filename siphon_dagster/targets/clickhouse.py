@@ -23,13 +23,17 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from siphon_core.config import ClickHouseTargetConfig
 from siphon_core.redaction import redact_url
+from siphon_dagster.targets import clickhouse_digest as digest
 from siphon_dagster.targets import clickhouse_sql as sql
 from siphon_dagster.targets.base import (
+    BucketDigest,
     SchemaChange,
     SourceColumn,
     TableSchema,
     TargetColumn,
     TargetError,
+    TargetRow,
+    VersionCounts,
     change_batch_schema,
 )
 from siphon_dagster.targets.type_mapping import clickhouse_type
@@ -359,6 +363,50 @@ class ClickHouseTarget:
         # As text: a UInt128 aggregate must not pass through a float anywhere on the way.
         statement = f"SELECT toString(max({sql.quote(sql.VERSION_COLUMN)})) FROM {names.live}"
         return int(self._rows(names, "reading the greatest version", statement)[0][0])
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    @property
+    def location(self) -> str:
+        url = urlparse(self.config.url)
+        return f"{url.scheme}://{url.hostname}{f':{url.port}' if url.port else ''} (database {self.database})"
+
+    def expected_column_type(self, column: SourceColumn) -> str:
+        return clickhouse_type(column)
+
+    def column_type_matches(self, column: SourceColumn, stored: str) -> bool:
+        # A column added later, or one that became NOT NULL, stays Nullable (see _alteration).
+        expected = clickhouse_type(column)
+        return stored in (expected, f"Nullable({expected})")
+
+    def version_counts(self, table: TableSchema, version: int) -> VersionCounts:
+        names = self._names(table)
+        current, deleted = digest.version_counts(names)
+        below, above = self._rows(names, "counting rows around a version", current, {"v": version})[0]
+        tombstones = self._rows(names, "counting deletions after a version", deleted, {"v": version})[0][0]
+        return VersionCounts(int(below), int(above), int(tombstones))
+
+    def bucket_digests(self, table: TableSchema, digits: int) -> dict[str, BucketDigest]:
+        names = self._names(table)
+        rows = self._rows(names, "computing bucket digests", digest.bucket_digests(names), {"digits": digits})
+        return {bucket: BucketDigest(int(count), value) for bucket, count, value in rows}
+
+    def bucket_rows(self, table: TableSchema, digits: int,
+                    buckets: Sequence[str]) -> dict[tuple[str, ...], TargetRow]:
+        names = self._names(table)
+        statement = digest.latest_rows(names, digest.bucket_filter(table))
+        rows = self._rows(names, "reading rows of buckets", statement, {"digits": digits, "buckets": list(buckets)})
+        return digest.target_rows(rows, len(table.key_columns))
+
+    def key_rows(self, table: TableSchema, keys: Sequence[tuple[str, ...]]) -> dict[tuple[str, ...], TargetRow]:
+        names = self._names(table)
+        found: dict[tuple[str, ...], TargetRow] = {}
+        for start in range(0, len(keys), KEYS_PER_LOOKUP):
+            part = [list(key) for key in keys[start : start + KEYS_PER_LOOKUP]]
+            statement = digest.latest_rows(names, sql.key_filter(table, "siphon_keys"))
+            rows = self._rows(names, "reading rows by key", statement, {"siphon_keys": part})
+            found.update(digest.target_rows(rows, len(table.key_columns)))
+        return found
 
     # -- resync ----------------------------------------------------------------------------------
 

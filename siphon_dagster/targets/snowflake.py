@@ -23,14 +23,18 @@ from snowflake.connector.errors import Error as SnowflakeError
 
 from siphon_core.config import SnowflakeTargetConfig
 from siphon_core.logs import get_logger
+from siphon_dagster.targets import snowflake_digest as digest
 from siphon_dagster.targets import snowflake_sql as sql
 from siphon_dagster.targets import snowflake_stage as stage
 from siphon_dagster.targets.base import (
+    BucketDigest,
     SchemaChange,
     SourceColumn,
     TableSchema,
     TargetColumn,
     TargetError,
+    TargetRow,
+    VersionCounts,
     change_batch_schema,
 )
 from siphon_dagster.targets.copy_text import iter_copy_rows
@@ -428,6 +432,56 @@ class SnowflakeTarget:
         statement = f"SELECT CAST(MAX({sql.quote(sql.VERSION_COLUMN)}) AS VARCHAR) FROM {names.live}"
         value = self._fetch(names, "reading the greatest version", statement)[0][0]
         return int(value) if value is not None else 0
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    @property
+    def location(self) -> str:
+        if self.config.host:
+            where = f"{self.config.protocol or 'https'}://{self.config.host}{f':{self.config.port}' if self.config.port else ''}"
+        else:
+            where = f"https://{self.config.account}.snowflakecomputing.com"
+        return f"{where} (database {self.database}, schema {self.schema})"
+
+    def expected_column_type(self, column: SourceColumn) -> str:
+        return sql.declared_type(snowflake_type(column))
+
+    def column_type_matches(self, column: SourceColumn, stored: str) -> bool:
+        return stored == self.expected_column_type(column)
+
+    def version_counts(self, table: TableSchema, version: int) -> VersionCounts:
+        names = self._names(table)
+        bound = str(version)
+        below, above, tombstones = self._fetch(names, "counting rows around a version",
+                                               digest.version_counts(names), (bound, bound, bound))[0]
+        return VersionCounts(int(below), int(above), int(tombstones))
+
+    def bucket_digests(self, table: TableSchema, digits: int) -> dict[str, BucketDigest]:
+        names = self._names(table)
+        rows = self._fetch(names, "computing bucket digests", digest.bucket_digests(names, digits))
+        return {bucket: BucketDigest(int(count), value) for bucket, count, value in rows}
+
+    def bucket_rows(self, table: TableSchema, digits: int,
+                    buckets: Sequence[str]) -> dict[tuple[str, ...], TargetRow]:
+        names = self._names(table)
+        found: dict[tuple[str, ...], TargetRow] = {}
+        for start in range(0, len(buckets), KEYS_PER_LOOKUP):
+            part = list(buckets[start : start + KEYS_PER_LOOKUP])
+            statement = digest.latest_rows(names, digest.bucket_filter(table, digits, len(part)))
+            found.update(digest.target_rows(self._fetch(names, "reading rows of buckets", statement, part),
+                                            len(table.key_columns)))
+        return found
+
+    def key_rows(self, table: TableSchema, keys: Sequence[tuple[str, ...]]) -> dict[tuple[str, ...], TargetRow]:
+        names = self._names(table)
+        found: dict[tuple[str, ...], TargetRow] = {}
+        for start in range(0, len(keys), KEYS_PER_LOOKUP):
+            part = keys[start : start + KEYS_PER_LOOKUP]
+            statement = digest.latest_rows(names, sql.key_filter(table, len(part)))
+            params = [value for key in part for value in key]
+            found.update(digest.target_rows(self._fetch(names, "reading rows by key", statement, params),
+                                            len(table.key_columns)))
+        return found
 
     # -- resync ----------------------------------------------------------------------------------
 
