@@ -112,22 +112,14 @@ def test_pipeline_through_tls_and_authentication_leaks_no_secret(secure_stack, s
         connection.execute(sql.SQL("create table {} (id bigint primary key, title text, qty integer, price "
                                    "numeric(10, 2), tags text[], at timestamptz)").format(
             sql.Identifier(unique_name, "items")))
-        connection.execute(sql.SQL("insert into {} select g, 'item ' || g, g % 97, g / 7.0, array['a', 'b' || g], "
-                                   "'2026-01-01'::timestamptz + g * interval '1 minute' from generate_series(1, %s) g"
+        connection.execute(sql.SQL("insert into {} select g, 'item ' || g, mod(g, 97), g / 7.0, array['a', 'b' || g], "
+                                   "'2026-01-01'::timestamptz + g * interval '1 minute' from generate_series(1, %s::int) g"
                                    ).format(sql.Identifier(unique_name, "items")), (ROWS,))
     producer = ProducerProcess(tmp_path / "producer", producer_config).start(timeout=60)
     places: dict[str, bytes] = {}
     dagster_home = tmp_path / "dagster_home"
     dagster_home.mkdir()
     try:
-        items = sql.Identifier(unique_name, "items")
-        with psycopg.connect(dsn, autocommit=True) as connection:
-            connection.execute(sql.SQL("update {} set qty = qty + 1000 where id % 10 = 0").format(items))
-            connection.execute(sql.SQL("delete from {} where id % 33 = 0").format(items))
-            connection.execute(sql.SQL("insert into {} select g, 'late ' || g, 1, 1.5, null, now() "
-                                       "from generate_series(%s, %s) g").format(items), (ROWS + 1, ROWS + 200))
-            end = naming.parse_lsn(connection.execute("select pg_current_wal_lsn()::text").fetchone()[0])
-
         defs = build_definitions(config)
         resources = build_resources(config)
         specs = table_specs(config)
@@ -137,9 +129,17 @@ def test_pipeline_through_tls_and_authentication_leaks_no_secret(secure_stack, s
                     size = source.table_size(connection, spec.table)
                     keys = [r.key for r in ranges_for(size.blocks, spec.table.blocks_per_partition)]
                     instance.add_dynamic_partitions(spec.partitions_def_name, keys)
-                    for key in keys[:2]:  # two partitions through Dagster; the stream brings the rest
+                    for key in keys:
                         asset = defs.resolve_assets_def(spec.target_key("clickhouse"))
                         assert dg.materialize([asset], partition_key=key, instance=instance).success
+            # Every change after the snapshots reaches ClickHouse through the stream only.
+            items = sql.Identifier(unique_name, "items")
+            with psycopg.connect(dsn, autocommit=True) as connection:
+                connection.execute(sql.SQL("update {} set qty = qty + 1000 where id % 10 = 0").format(items))
+                connection.execute(sql.SQL("delete from {} where id % 33 = 0").format(items))
+                connection.execute(sql.SQL("insert into {} select g, 'late ' || g, 1, 1.5, null, now() "
+                                           "from generate_series(%s::int, %s::int) g").format(items), (ROWS + 1, ROWS + 200))
+                end = naming.parse_lsn(connection.execute("select pg_current_wal_lsn()::text").fetchone()[0])
 
             def caught_up() -> bool:
                 with psycopg.connect(dsn) as connection:
@@ -150,19 +150,15 @@ def test_pipeline_through_tls_and_authentication_leaks_no_secret(secure_stack, s
 
             wait_until(caught_up, 120, "producer caught up")
             run_stream_jobs(defs, specs, instance, drain=True)
-            for key in keys[2:]:
-                asset = defs.resolve_assets_def(specs[0].target_key("clickhouse"))
-                assert dg.materialize([asset], partition_key=key, instance=instance).success
 
-            # A streaming run whose ClickHouse cannot be reached fails, and its failure is stored.
+            # A snapshot whose ClickHouse cannot be reached fails, and its failure is stored.
             unreachable = load_config(write_config(tmp_path / "unreachable.yaml", secure_config(
                 env, unique_name, "dagster", url=f"https://127.0.0.1:{free_port()}")))
-            spec = table_specs(unreachable)[0]
-            job = build_definitions(unreachable).resolve_job_def(spec.stream_job_name("clickhouse"))
-            failed = job.execute_in_process(
-                run_config={"ops": {f"apply_clickhouse_{spec.job_suffix}": {"config": {"stop_when_drained": True}}}},
-                instance=instance, raise_on_error=False)
+            asset = build_definitions(unreachable).resolve_assets_def(table_specs(unreachable)[0].target_key("clickhouse"))
+            failed = dg.materialize([asset], partition_key=keys[0], instance=instance, raise_on_error=False)
             assert not failed.success
+            failure = next(event for event in failed.all_events if event.is_step_failure)
+            assert "cannot reach https://127.0.0.1" in str(failure.event_specific_data)
 
         table = source.table_schema(psycopg.connect(dsn), config.tables[0])
         target = resources["clickhouse_target"].open_target()
@@ -193,7 +189,11 @@ def test_pipeline_through_tls_and_authentication_leaks_no_secret(secure_stack, s
     assert any("dagster_home" in where for where in places), "no Dagster storage was searched"
     assert any(where.endswith("nats.log") for where in places) and any(where.endswith("postgres.log")
                                                                         for where in places)
+    assert any(where.endswith(".db") for where in places), "no Dagster storage file was searched"
     assert not leaks(secret_environment, places)
+    # The search finds a secret where one is written on purpose.
+    stack_env = Path(env["SIPHON_STACK_CA_FILE"]).parents[1] / "stack.env"
+    assert leaks(secret_environment, {"stack.env": stack_env.read_bytes()})
 
 
 def test_a_tls_url_against_a_plain_nats_server_fails_without_plain_fallback(nats_url: str) -> None:
