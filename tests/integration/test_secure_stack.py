@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import secrets
 import time
@@ -18,6 +19,7 @@ import dagster as dg
 import psycopg
 import pytest
 import yaml
+from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
 from psycopg import sql
 
 from siphon_core import naming
@@ -35,6 +37,13 @@ from tests.helpers.producer import ProducerProcess
 from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
 
 ROWS = 3000
+GRAPHQL_QUERY = """
+{
+  runsOrError { ... on Runs { results { runId status runConfigYaml tags { key value } } } }
+  repositoriesOrError { ... on RepositoryConnection { nodes { name
+    allTopLevelResourceDetails { name configuredValues { key value type } } } } }
+}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +109,7 @@ def leaks(secrets_: dict[str, str], places: dict[str, bytes]) -> list[str]:
 
 
 def test_pipeline_through_tls_and_authentication_leaks_no_secret(secure_stack, secret_environment, unique_name,
-                                                                   tmp_path):
+                                                                   tmp_path, monkeypatch):
     env = secure_stack
     producer_config = secure_config(env, unique_name, "producer")
     dagster_path = write_config(tmp_path / "siphon.yaml", secure_config(env, unique_name, "dagster"))
@@ -159,6 +168,17 @@ def test_pipeline_through_tls_and_authentication_leaks_no_secret(secure_stack, s
             assert not failed.success
             failure = next(event for event in failed.all_events if event.is_step_failure)
             assert "cannot reach https://127.0.0.1" in str(failure.event_specific_data)
+
+            # What the UI would show: the runs and the resources' configured values, by GraphQL.
+            monkeypatch.setenv("SIPHON_CONFIG", str(dagster_path))
+            location = tmp_path / "location.py"
+            location.write_text("from siphon_dagster.definitions import load_definitions\n\ndefs = load_definitions()\n")
+            with define_out_of_process_context(str(location), "defs", instance) as context:
+                answer = execute_dagster_graphql(context, GRAPHQL_QUERY)
+            assert not answer.errors, answer.errors
+            places["GraphQL answer"] = json.dumps(answer.data).encode()
+            assert len(answer.data["runsOrError"]["results"]) >= 3
+            assert b"${SIPHON_CLICKHOUSE_PASSWORD}" in places["GraphQL answer"]  # the reference, not the value
 
         table = source.table_schema(psycopg.connect(dsn), config.tables[0])
         target = resources["clickhouse_target"].open_target()
