@@ -7,6 +7,7 @@ The producer publishes through `JetStreamQueue.publish`; consumers pull through
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from siphon_core import naming
 from siphon_core.config import QueueConfig
 from siphon_core.queue_security import PlainTextRefused, QueueLogin, transport_is_tls
 from siphon_core.redaction import redact_url
+
+_nats_log = logging.getLogger("nats.aio.client")
 
 
 class QueueError(RuntimeError):
@@ -68,6 +71,8 @@ class JetStreamQueue:
         async def on_error(error: BaseException) -> None:
             if _is_final(error) and not refusal.done():
                 refusal.set_result(error)
+            else:  # as nats-py's own callback would
+                _nats_log.error("nats: encountered error", exc_info=error)
 
         client = self._login.client()
         connecting = asyncio.ensure_future(client.connect(
