@@ -19,11 +19,13 @@ import dagster as dg
 import psycopg
 import pytest
 import yaml
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
 from psycopg import sql
 
 from siphon_core import naming
-from siphon_core.config import ClickHouseTargetConfig, load_config
+from siphon_core.config import ClickHouseTargetConfig, SnowflakeTargetConfig, load_config
 from siphon_core.queue import JetStreamQueue, QueueError, StreamSettings
 from siphon_dagster import source
 from siphon_dagster.definitions import build_definitions, build_resources
@@ -31,6 +33,7 @@ from siphon_dagster.partitions import ranges_for
 from siphon_dagster.specs import table_specs
 from siphon_dagster.targets.base import TargetError
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
+from siphon_dagster.targets.snowflake import SnowflakeTarget
 from siphon_stack import stack
 from siphon_stack.process import free_port
 from tests.helpers.producer import ProducerProcess
@@ -250,3 +253,19 @@ def test_the_secure_postgres_refuses_tcp_logins_without_tls(secure_stack: dict[s
         psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname=siphon sslmode=disable "
                         f"password={secure_stack['SIPHON_PG_PASSWORD']}", connect_timeout=5)
     assert os.stat(Path(secure_stack["SIPHON_STACK_CA_FILE"]).parents[1] / "stack.env").st_mode & 0o077 == 0
+
+
+def test_snowflake_key_pair_login(snowflake_env: dict[str, str], tmp_path: Path, unique_name: str) -> None:
+    """An encrypted PKCS#8 key opens the target (fakesnow accepts the connector's key-pair login)."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    path = tmp_path / "rsa_key.p8"
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.BestAvailableEncryption(b"key passphrase")))
+    target = SnowflakeTarget(SnowflakeTargetConfig(
+        account=snowflake_env["SIPHON_SNOWFLAKE_ACCOUNT"], user=snowflake_env["SIPHON_SNOWFLAKE_USER"],
+        private_key_file=str(path), private_key_passphrase="key passphrase", database=unique_name.upper(),
+        host="127.0.0.1", port=int(snowflake_env["SIPHON_SNOWFLAKE_PORT"]), protocol="http"))
+    try:
+        assert target._connect().cursor().execute("select 1").fetchone() == (1,)
+    finally:
+        target.close()
