@@ -31,7 +31,7 @@ from producer_service.slot_loss import SlotGuard
 from siphon_core import naming
 from siphon_core.config import SiphonConfig
 from siphon_core.logs import get_logger
-from siphon_core.queue import JetStreamQueue, QueueError, StreamSettings
+from siphon_core.queue import JetStreamQueue, QueueError
 from siphon_core.redaction import redact_dsn, redact_url
 from siphon_core.replication import ReplicationConnection
 
@@ -125,7 +125,7 @@ class ProducerService:
         # UTF8 as on the replication connection: in a SQL_ASCII database psycopg would otherwise
         # return catalog names as bytes.
         control = await connect_unless_stopped(
-            lambda: psycopg.connect(config.source.dsn, autocommit=True, client_encoding="UTF8",
+            lambda: psycopg.connect(config.source.conninfo(), autocommit=True, client_encoding="UTF8",
                                     application_name=f"siphon-producer {config.application_identifier}"),
             self._stop, f"PostgreSQL at {redact_dsn(config.source.dsn)}")
         if control is None:
@@ -141,9 +141,8 @@ class ProducerService:
                          url=f"http://{config.producer.metrics_host}:{health_server.port}")
             check_replica_identities(control, self.config.tables)
             # The queue first: a start that cannot reach it leaves no new publication or slot behind.
-            self._queue = JetStreamQueue(config.queue.url, StreamSettings(
-                config.application_identifier, config.queue.duplicate_window_seconds, config.queue.replicas,
-                config.queue.max_message_bytes), name=f"siphon-producer {config.application_identifier}")
+            self._queue = JetStreamQueue.from_config(config.queue, config.application_identifier,
+                                                     name=f"siphon-producer {config.application_identifier}")
             await self._connect_queue(self._queue)
             self._prepare_source(control)
             self._catalog = RelationCatalog(control, self._excluded)
@@ -192,7 +191,7 @@ class ProducerService:
                              f"{error!r}") from None
 
     async def _stream(self, control: psycopg.Connection[Any]) -> None:
-        replication = ReplicationConnection(self.config.source.dsn,
+        replication = ReplicationConnection(self.config.source.conninfo(),
                                             application_name=f"siphon-producer {self.config.application_identifier}")
         try:
             replication.start(self.slot, [self.publication], start_lsn=0, messages=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 APPLICATION_IDENTIFIER = re.compile(r"[A-Za-z0-9_.-]+")
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -31,9 +32,23 @@ class ConfigError(ValueError):
     """A configuration that cannot be used, with the place and the fix in its message."""
 
 
+def _readable_file(value: str | None) -> str | None:
+    """A certificate, key or credentials file must exist when the configuration is read: a missing one
+    would otherwise surface as a TLS failure far from its cause."""
+    if value is None:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"file '{value}' does not exist or is not a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"file '{value}' is not readable by this process")
+    return str(path)
+
+
 class _Model(BaseModel):
     # An unknown key is refused: a misspelt setting would otherwise be ignored without a word.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Validation errors never quote the input: it may hold a password.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class SourceConfig(_Model):
@@ -46,6 +61,43 @@ class SourceConfig(_Model):
     # How long a range's snapshot may wait for transactions that were open when it began (its slot
     # cannot be created before they end) before the run fails naming them; 0 waits for ever.
     snapshot_wait_limit_seconds: float = Field(default=1800.0, ge=0)
+
+    # -- TLS to the source: libpq's own parameters, which the DSN may also carry; a value here wins --
+    sslmode: str | None = None
+    sslrootcert: str | None = None
+    sslcert: str | None = None
+    sslkey: str | None = None
+
+    @field_validator("sslmode")
+    @classmethod
+    def _known_sslmode(cls, value: str | None) -> str | None:
+        if value is not None and value not in SSL_MODES:
+            raise ValueError(f"'{value}' is not one of {', '.join(SSL_MODES)}")
+        return value
+
+    @field_validator("sslrootcert", "sslcert", "sslkey")
+    @classmethod
+    def _tls_file(cls, value: str | None) -> str | None:
+        # libpq's `sslrootcert=system` means the operating system's trusted roots.
+        return value if value == "system" else _readable_file(value)
+
+    @model_validator(mode="after")
+    def _client_pair(self) -> SourceConfig:
+        if (self.sslcert is None) != (self.sslkey is None):
+            raise ValueError("sslcert and sslkey go together: give both or neither")
+        return self
+
+    def conninfo(self, snapshot: bool = False) -> str:
+        """The connection string every connection to the source uses (control, replication,
+        snapshot, re-read): the DSN (the snapshot DSN with `snapshot=True`) with the TLS settings of
+        this section applied. A root certificate without a mode means `verify-full`: a server that
+        cannot prove its name is refused rather than used without TLS."""
+        dsn = self.snapshot_or_primary_dsn if snapshot else self.dsn
+        tls = {key: getattr(self, key) for key in ("sslmode", "sslrootcert", "sslcert", "sslkey")
+               if getattr(self, key) is not None}
+        if self.sslrootcert is not None and self.sslmode is None and "sslmode" not in conninfo_to_dict(dsn):
+            tls["sslmode"] = "verify-full"
+        return make_conninfo(dsn, **tls) if tls else dsn
 
     @field_validator("dsn", "snapshot_dsn")
     @classmethod
@@ -73,6 +125,37 @@ class QueueConfig(_Model):
     # Stream replicas in a cluster; 1 on a single server (which then syncs every write).
     replicas: int = Field(default=1, ge=1, le=5)
     max_message_bytes: int = Field(default=1_048_576, ge=65_536)
+    # -- TLS and authentication (siphon_core.queue_security): a `tls://` URL or any tls_* setting means
+    # TLS or no connection at all, never a plain-text fallback --
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    nkey_seed_file: str | None = None
+    creds_file: str | None = None
+
+    _files = field_validator("tls_ca_file", "tls_cert_file", "tls_key_file", "nkey_seed_file",
+                             "creds_file")(_readable_file)
+
+    @model_validator(mode="after")
+    def _one_way_to_log_in(self) -> QueueConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("user and password go together: give both or neither")
+        ways = [name for name, value in (("user/password", self.user), ("token", self.token),
+                                         ("nkey_seed_file", self.nkey_seed_file), ("creds_file", self.creds_file))
+                if value is not None]
+        if len(ways) > 1:
+            raise ValueError(f"give one way to log in, not {' and '.join(ways)}")
+        return self
+
+    @property
+    def wants_tls(self) -> bool:
+        return (self.url.lower().startswith("tls://")
+                or any(value is not None for value in (self.tls_ca_file, self.tls_cert_file)))
 
 
 class ProducerConfig(_Model):
@@ -169,12 +252,44 @@ class ClickHouseTargetConfig(_Model):
     database: str = "siphon"
     username: str = "default"
     password: str = ""
+    # https only: the CA that signed the server's certificate (None: the system's roots), and
+    # whether the certificate is checked at all.
+    ca_file: str | None = None
+    verify: bool = True
+
+    _ca = field_validator("ca_file")(_readable_file)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.lower().startswith(("http://", "https://")):
+            raise ValueError(f"'{value.split('@')[-1]}' must start with http:// or https://")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_needs_https(self) -> ClickHouseTargetConfig:
+        if self.ca_file is not None and not self.url.lower().startswith("https://"):
+            raise ValueError("ca_file is given but url is not https://: the certificate would never be checked")
+        return self
 
 
 class SnowflakeTargetConfig(_Model):
     account: str
     user: str
     password: str = ""
+    # Key-pair authentication instead of a password: an unencrypted or encrypted PKCS#8 PEM file.
+    private_key_file: str | None = None
+    private_key_passphrase: str | None = None
+
+    _key = field_validator("private_key_file")(_readable_file)
+
+    @model_validator(mode="after")
+    def _one_way_to_log_in(self) -> SnowflakeTargetConfig:
+        if self.private_key_file is not None and self.password:
+            raise ValueError("give password or private_key_file, not both")
+        if self.private_key_passphrase is not None and self.private_key_file is None:
+            raise ValueError("private_key_passphrase is given without private_key_file")
+        return self
     database: str = "SIPHON"
     schema_: str = Field(default="PUBLIC", alias="schema")
     warehouse: str | None = None

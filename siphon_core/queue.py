@@ -7,6 +7,8 @@ The producer publishes through `JetStreamQueue.publish`; consumers pull through
 from __future__ import annotations
 
 import asyncio
+import logging
+import ssl
 from dataclasses import dataclass
 
 import nats
@@ -15,7 +17,11 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy,
 from nats.js.errors import NotFoundError
 
 from siphon_core import naming
+from siphon_core.config import QueueConfig
+from siphon_core.queue_security import PlainTextRefused, QueueLogin, transport_is_tls
 from siphon_core.redaction import redact_url
+
+_nats_log = logging.getLogger("nats.aio.client")
 
 
 class QueueError(RuntimeError):
@@ -40,21 +46,58 @@ class StreamSettings:
 
 
 class JetStreamQueue:
-    def __init__(self, url: str, settings: StreamSettings, name: str = "siphon") -> None:
+    def __init__(self, url: str, settings: StreamSettings, name: str = "siphon", login: QueueLogin | None = None) -> None:
         self.url = url
         self.settings = settings
         self._name = name
+        self._login = login or QueueLogin(require_tls=url.lower().startswith("tls://"))
         self._nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
 
+    @classmethod
+    def from_config(cls, config: QueueConfig, application_identifier: str, name: str = "siphon") -> JetStreamQueue:
+        """The application's queue as `queue:` in siphon.yaml describes it, TLS and login included."""
+        settings = StreamSettings(application_identifier, config.duplicate_window_seconds, config.replicas,
+                                  config.max_message_bytes)
+        return cls(config.url, settings, name=name, login=QueueLogin.from_config(config))
+
     async def connect(self, connect_timeout: float = 5.0) -> None:
+        """Connects, retrying an unreachable server for as long as the caller waits; a refused login,
+        a certificate that does not verify or a server without TLS (when TLS was asked for) fail at once:
+        retrying them cannot help."""
+        where = redact_url(self.url)
+        refusal: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+        async def on_error(error: BaseException) -> None:
+            if _is_final(error) and not refusal.done():
+                refusal.set_result(error)
+            else:  # as nats-py's own callback would
+                _nats_log.error("nats: encountered error", exc_info=error)
+
+        client = self._login.client()
+        connecting = asyncio.ensure_future(client.connect(
+            self.url, name=self._name, connect_timeout=connect_timeout, error_cb=on_error,
+            max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
+            **self._login.connect_options(),
+        ))
         try:
-            self._nc = await nats.connect(
-                self.url, name=self._name, connect_timeout=connect_timeout,
-                max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
-            )
+            await asyncio.wait({connecting, refusal}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            connecting.cancel()
+            raise
+        if refusal.done() and not connecting.done():
+            connecting.cancel()
+            await _close_quietly(client)
+            raise QueueError(f"NATS at {where} {_describe_refusal(refusal.result())}") from None
+        try:
+            connecting.result()
         except Exception as error:  # nats-py raises several unrelated types here
-            raise QueueError(f"cannot connect to NATS at {redact_url(self.url)}: {error}") from None
+            raise QueueError(f"cannot connect to NATS at {where}: {error}") from None
+        if self._login.require_tls and transport_is_tls(client) is False:
+            await _close_quietly(client)
+            raise QueueError(f"NATS at {where}: the connection is not encrypted although TLS was configured; "
+                             "refusing it")
+        self._nc = client
         self._js = self._nc.jetstream(timeout=10.0)
 
     @property
@@ -180,7 +223,7 @@ async def connect_within(queue: JetStreamQueue, seconds: float = 10.0) -> None:
     try:
         await asyncio.wait_for(queue.connect(), seconds)
     except TimeoutError:
-        raise QueueError(f"cannot connect to NATS at {queue.url} within {seconds:.0f}s") from None
+        raise QueueError(f"cannot connect to NATS at {redact_url(queue.url)} within {seconds:.0f}s") from None
 
 
 @dataclass(frozen=True)
@@ -217,3 +260,26 @@ async def oldest_after(queue: JetStreamQueue, subject: str, sequence: int) -> fl
     except NotFoundError:
         return None
     return message.time.timestamp() if message.time is not None else None
+
+def _is_final(error: BaseException) -> bool:
+    if isinstance(error, (PlainTextRefused, ssl.SSLError, nats.errors.AuthorizationError)):
+        return True
+    text = str(error).lower()
+    return "authorization violation" in text or "authentication" in text
+
+
+def _describe_refusal(error: BaseException) -> str:
+    if isinstance(error, PlainTextRefused):
+        return "offers no TLS, and queue: asks for TLS (a tls:// URL or tls_* settings); not connecting in plain text"
+    if isinstance(error, ssl.SSLError):
+        return (f"failed the TLS handshake: {error}; check queue.tls_ca_file (the CA that signed the server's "
+                "certificate) and that the certificate names the URL's host")
+    return (f"refused the login ({str(error).strip()}); check queue.user/password, token, nkey_seed_file or "
+            "creds_file in siphon.yaml")
+
+
+async def _close_quietly(client: nats.NATS) -> None:
+    try:
+        await asyncio.wait_for(client.close(), timeout=5.0)
+    except Exception:
+        pass

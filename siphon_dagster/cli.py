@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return _drop_target_table(config, specs[0], args.target)
     instance = dg.DagsterInstance.get()
     if args.action == "refresh":
-        with source.connect(config.source.dsn, autocommit=True) as connection:
+        with source.connect(config.source.conninfo(), autocommit=True) as connection:
             requests, _ = partition_requests(instance, connection, specs)
         for request in requests:
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))

@@ -102,7 +102,7 @@ def repair_keys(config: SiphonConfig, spec: TableSpec, target: str, keys: list[K
     runs.choose_targets(spec, target)
     unique = list(dict.fromkeys(tuple(key) for key in keys))
     summary = RepairSummary(spec.qualified_name, target, len(unique))
-    dsn = config.source.snapshot_or_primary_dsn
+    dsn = config.source.conninfo(snapshot=True)
     with source.connect(dsn, autocommit=True) as catalog:
         table = source.table_schema(catalog, spec.table)
     _check_keys(spec, table, unique)

@@ -23,7 +23,7 @@ from siphon_core.config import (
     SparkConfig,
     expand_settings,
 )
-from siphon_core.queue import JetStreamQueue, StreamSettings
+from siphon_core.queue import JetStreamQueue
 from siphon_dagster import source
 from siphon_dagster.snapshot.load import SnapshotSettings
 from siphon_dagster.targets.base import Target
@@ -41,11 +41,12 @@ class PostgresResource(dg.ConfigurableResource):
 
     @property
     def dsn(self) -> str:
-        return self.config.dsn
+        """The connection string with the section's TLS settings applied (`SourceConfig.conninfo`)."""
+        return self.config.conninfo()
 
     @property
     def snapshot_source_dsn(self) -> str:
-        return self.config.snapshot_or_primary_dsn
+        return self.config.conninfo(snapshot=True)
 
     @property
     def snapshot_spool_directory(self) -> str | None:
@@ -79,10 +80,7 @@ class NatsResource(dg.ConfigurableResource):
         return QueueConfig.model_validate(expand_settings(self.settings, "queue"))
 
     def queue(self, client_name: str = "siphon-dagster") -> JetStreamQueue:
-        config = self.config
-        settings = StreamSettings(self.application_identifier, config.duplicate_window_seconds, config.replicas,
-                                  config.max_message_bytes)
-        return JetStreamQueue(config.url, settings, name=client_name)
+        return JetStreamQueue.from_config(self.config, self.application_identifier, name=client_name)
 
 
 class ClickHouseResource(dg.ConfigurableResource):

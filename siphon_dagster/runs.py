@@ -55,7 +55,7 @@ def choose_targets(spec: TableSpec, target: str | None) -> list[str]:
 
 def refresh_partitions(instance: dg.DagsterInstance, config: SiphonConfig, specs: list[TableSpec]) -> int:
     """Adds the partitions of the tables' current sizes to the instance (what the sensor does)."""
-    with source.connect(config.source.dsn, autocommit=True) as connection:
+    with source.connect(config.source.conninfo(), autocommit=True) as connection:
         requests, _ = partition_requests(instance, connection, specs)
     for request in requests:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))

@@ -9,6 +9,15 @@ from pathlib import Path
 from siphon_stack import stack
 from siphon_stack.process import StackError
 
+SECURE_HELP = (
+    "TLS and passwords everywhere: a CA made in DIR/tls signs a certificate for 127.0.0.1/localhost; PostgreSQL "
+    "takes TCP logins (replication too) only over TLS with a SCRAM password; NATS requires TLS and the users "
+    "'producer' and 'dagster', each with only the permissions its side needs; the embedded ClickHouse serves "
+    "https with basic authentication as 'siphon'. DIR/stack.env (mode 600) then carries SIPHON_STACK_CA_FILE, "
+    "SIPHON_PG_DSN (sslmode=verify-full), SIPHON_PG_PASSWORD (also PGPASSWORD), SIPHON_NATS_URL (tls://), "
+    "SIPHON_NATS_{PRODUCER,DAGSTER}_{USER,PASSWORD}, SIPHON_CLICKHOUSE_URL (https://), SIPHON_CLICKHOUSE_USER and "
+    "SIPHON_CLICKHOUSE_PASSWORD. fakesnow stays plain HTTP (it has no TLS)")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="siphon-stack", description=__doc__)
@@ -21,10 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == "up":
             command.add_argument("--no-snowflake", action="store_true", help="do not start fakesnow")
             command.add_argument("--spark-connect", action="store_true", help="also start a Spark Connect server")
+            command.add_argument("--secure", action="store_true", help=SECURE_HELP)
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            state = stack.up(args.dir, with_snowflake=not args.no_snowflake, with_spark_connect=args.spark_connect)
+            state = stack.up(args.dir, with_snowflake=not args.no_snowflake, with_spark_connect=args.spark_connect,
+                             secure=args.secure)
             for name, service in state.services.items():
                 print(f"{name:14} pid {service.pid:<8} port {service.port}")
             print(f"environment: source {Path(state.directory) / 'stack.env'}")

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import os
 import signal
+import ssl
 import sys
 import threading
 from pathlib import Path
 from types import FrameType
 
+from siphon_stack.clickhouse import PASSWORD_VARIABLE
 from siphon_stack.clickhouse.engine import Engine
-from siphon_stack.clickhouse.handler import ClickHouseHTTPServer
+from siphon_stack.clickhouse.handler import ClickHouseHTTPServer, Credentials
 
 SHUTDOWN_GRACE_SECONDS = 10.0  # within the 20 s stop_pid() allows before SIGKILL
 SESSION_SWEEP_SECONDS = 1.0
@@ -38,16 +41,27 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         _say(f"cannot open the chdb data directory {data_dir}: {' '.join(str(error).split())}")
         return 1
+    credentials = None
+    if args.user:
+        password = os.environ.pop(PASSWORD_VARIABLE, None)
+        if password is None:
+            _say(f"--user needs the password in the environment variable {PASSWORD_VARIABLE}")
+            engine.close(grace_seconds=0)
+            return 1
+        credentials = Credentials(args.user, password)
     try:
-        server = ClickHouseHTTPServer((args.host, args.port), engine)
-    except OSError as error:
+        server = ClickHouseHTTPServer((args.host, args.port), engine, credentials=credentials,
+                                      tls=_tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None)
+    except (OSError, ssl.SSLError) as error:
         _say(f"cannot listen on {args.host}:{args.port}: {error}")
         engine.close(grace_seconds=0)
         return 1
     _stop_on_signals(server)
     stopped = threading.Event()
     threading.Thread(target=_sweep_sessions, args=(engine, stopped), name="session-sweeper", daemon=True).start()
-    _say(f"serving {data_dir} on http://{args.host}:{args.port} (ClickHouse {engine.version}, chdb)")
+    scheme = "https" if args.tls_cert else "http"
+    _say(f"serving {data_dir} on {scheme}://{args.host}:{args.port} (ClickHouse {engine.version}, chdb"
+         f"{', user ' + args.user if args.user else ''})")
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
@@ -67,7 +81,21 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-dir", required=True, help="the chdb data directory (created if missing)")
     parser.add_argument("--port", type=int, required=True, help="HTTP port")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    return parser.parse_args(argv)
+    parser.add_argument("--tls-cert", help="serve https with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--user", help=f"require HTTP basic authentication as this user; the password is read "
+                                       f"from {PASSWORD_VARIABLE}")
+    args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    return args
+
+
+def _tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    return context
 
 
 def _lock_holder(data_dir: Path) -> str | None:

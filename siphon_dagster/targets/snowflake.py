@@ -38,6 +38,7 @@ from siphon_dagster.targets.base import (
     change_batch_schema,
 )
 from siphon_dagster.targets.copy_text import iter_copy_rows
+from siphon_dagster.targets.snowflake_key import load_private_key
 from siphon_dagster.targets.type_mapping import mapping_for, snowflake_type
 
 # Rows per INSERT ... VALUES statement into the stage, and an upper bound on its bind parameters.
@@ -71,10 +72,14 @@ class SnowflakeTarget:
             options: dict[str, Any] = {
                 "account": self.config.account,
                 "user": self.config.user,
-                "password": self.config.password,
                 "paramstyle": "qmark",  # server-side binding: values never become SQL text
                 "autocommit": True,
             }
+            if self.config.private_key_file is not None:
+                options["private_key"] = load_private_key(self.config.private_key_file,
+                                                          self.config.private_key_passphrase)
+            else:
+                options["password"] = self.config.password
             for key in ("warehouse", "role", "host", "port", "protocol"):
                 if getattr(self.config, key) is not None:
                     options[key] = getattr(self.config, key)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import hmac
 import json
 import secrets
 import socket
+import ssl
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -56,14 +60,59 @@ _STREAMED_FORMATS = frozenset(
 _PYTHON_FORMATS = frozenset({"dataframe", "arrowtable", "datastore", "debug"})
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """The one user the server accepts, as ClickHouse's HTTP interface takes it: basic authentication
+    or the X-ClickHouse-User/X-ClickHouse-Key headers."""
+
+    user: str
+    password: str = field(repr=False)
+
+    def accepts(self, headers: dict[str, str], params: dict[str, str]) -> tuple[bool, str]:
+        """Whether the request logs in as this user, and the user name it gave."""
+        user, password = params.get("user"), params.get("password")
+        if "x-clickhouse-user" in headers:
+            user, password = headers["x-clickhouse-user"], headers.get("x-clickhouse-key", "")
+        authorization = headers.get("authorization", "")
+        if authorization[:6].lower() == "basic ":
+            try:
+                user, _, password = base64.b64decode(authorization[6:], validate=True).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                return False, "?"
+        user = user or "default"
+        right = hmac.compare_digest(user.encode(), self.user.encode()) & hmac.compare_digest(
+            (password or "").encode(), self.password.encode())
+        return right, user
+
+
 class ClickHouseHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256
 
-    def __init__(self, address: tuple[str, int], engine: Engine):
+    def __init__(self, address: tuple[str, int], engine: Engine, credentials: Credentials | None = None,
+                 tls: ssl.SSLContext | None = None):
         super().__init__(address, ClickHouseHandler)
         self.engine = engine
         self.display_name = socket.gethostname()
+        self.credentials = credentials
+        self.tls = tls
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        connection, address = super().get_request()
+        if self.tls is not None:
+            # The handshake runs in the request's own thread (on first read), so a slow or
+            # plain-text client holds up no one else.
+            connection = self.tls.wrap_socket(connection, server_side=True, do_handshake_on_connect=False)
+        return connection, address
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, (ssl.SSLError, ConnectionError, TimeoutError)):
+            # A client that does not speak TLS, or hung up: one line, not a traceback.
+            print(f"siphon-clickhouse: connection from {client_address[0]} dropped: {type(error).__name__}",
+                  file=sys.stderr, flush=True)
+            return
+        super().handle_error(request, client_address)
 
 
 @dataclass
@@ -113,6 +162,14 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
             self._send(200, [("Content-Type", "text/html; charset=UTF-8")], b"Ok.\n")
             return
         query_id = params.get("query_id") or str(uuid.uuid4())
+        credentials = self.server.credentials
+        if credentials is not None:
+            accepted, user = credentials.accepts(headers, params)
+            if not accepted:
+                # The body is read and dropped, unparsed, so the connection can answer the next request.
+                self._fail(ClickHouseError.of("AUTHENTICATION_FAILED", f"{user}: Authentication failed: password is "
+                                              "incorrect, or there is no user with such name"), body, query_id)
+                return
         try:
             self._serve(params, headers, body, query_id)
         except ClickHouseError as error:

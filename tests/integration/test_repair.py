@@ -113,7 +113,9 @@ def test_snapshot_and_repair_of_a_table_named_with_a_quote_a_space_and_a_dot(
 
 def test_the_resync_job_runs_from_dagsters_own_cli_for_an_odd_name(
         app: Application, odd_table: Path, tmp_path: Path) -> None:
-    """`dagster job execute -j resync_<table>`: the job's name is a word even when the table's is not."""
+    """`dagster job execute -j resync_<table>`: the job's name is a word even when the table's is not.
+    The job ends by running the table's checks, which need the producer to confirm the source's reads."""
+    app.producer([ODD])
     config = load_config(odd_table)
     spec = runs.find_spec(config, app.qualified(ODD))
     home = Path(os.environ["DAGSTER_HOME"])
