@@ -6,6 +6,7 @@ import dagster as dg
 
 from siphon_core.config import SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
+from siphon_dagster.group_jobs import build_group_stream_job
 from siphon_dagster.jobs import build_stream_job
 from siphon_dagster.resources import (
     ClickHouseResource,
@@ -16,6 +17,7 @@ from siphon_dagster.resources import (
 )
 from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
 from siphon_dagster.specs import group_name, table_specs
+from siphon_dagster.stream_groups import stream_groups
 
 
 def build_resources(config: SiphonConfig) -> dict[str, object]:
@@ -49,14 +51,16 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
         assets.append(build_source_asset(spec))
         assets.extend(build_target_asset(spec, target) for target in spec.targets)
     group = group_name(config.application_identifier)
-    stream_jobs = {(target, spec.qualified_name): build_stream_job(spec, target)
-                   for spec in specs for target in spec.targets}
+    # Single-table jobs stay for draining a table by hand; the sensor runs the group jobs.
+    stream_jobs = [build_stream_job(spec, target) for spec in specs for target in spec.targets]
+    groups = stream_groups(config, specs)
+    group_jobs = {stream_group.key: build_group_stream_job(stream_group) for stream_group in groups}
     return dg.Definitions(
         assets=assets,
-        jobs=list(stream_jobs.values()),
+        jobs=[*stream_jobs, *group_jobs.values()],
         sensors=[
             build_partitions_sensor(specs, group),
-            build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),
+            build_streaming_sensor(groups, group, group_jobs, config.streaming.max_failures_before_backoff),
         ],
         resources=build_resources(config),
     )

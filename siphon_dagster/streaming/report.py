@@ -28,6 +28,8 @@ class BatchReport:
     # What an operator must act on, e.g. rows that predate an added column need a resync.
     warnings: tuple[str, ...] = ()
     prepared_early: bool = False  # decoded and folded while the batch before was written
+    schema_changed: bool = False  # the target's table schema differs from the previous batch's
+    decoded_in_driver: bool = False  # small batch: decoded in the run's process, not by Spark tasks
 
     @property
     def applied_lsn_text(self) -> str:
