@@ -162,6 +162,9 @@ class SparkConfig(_Model):
     master: str = "local[2]"
     remote: str | None = None
     conf: dict[str, str] = Field(default_factory=dict)
+    # Local mode: at most this many tasks, hence Python workers, at once (reused between tasks), for
+    # all the tables of a run together; None: one per core of `master`.
+    max_python_workers: int | None = Field(default=None, ge=1)
 
 
 class StreamingConfig(_Model):

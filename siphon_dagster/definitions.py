@@ -28,7 +28,8 @@ def build_resources(config: SiphonConfig) -> dict[str, object]:
         "queue": NatsResource(url=config.queue.url, application_identifier=config.application_identifier,
                               duplicate_window_seconds=config.queue.duplicate_window_seconds,
                               replicas=config.queue.replicas, max_message_bytes=config.queue.max_message_bytes),
-        "spark": SparkResource(master=config.spark.master, remote=config.spark.remote, conf=config.spark.conf),
+        "spark": SparkResource(master=config.spark.master, remote=config.spark.remote, conf=config.spark.conf,
+                               max_python_workers=config.spark.max_python_workers),
     }
     clickhouse = config.targets.clickhouse
     if clickhouse is not None:

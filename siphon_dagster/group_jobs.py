@@ -87,8 +87,9 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 targets[table.name] = getattr(context.resources, resource_key).open_target()
             consumer = StreamConsumer(queue=queue, target=targets[table.name], table=table, spark=spark.session,
                                       streaming=streaming, source=source)
-            if not config.stop_when_drained:
+            if not config.stop_when_drained:  # draining needs exact pending counts and short pulls
                 consumer.idle_pull_seconds = streaming.idle_pull_seconds
+                consumer.exact_pending = False
             return consumer
 
         runner = GroupRunner(queue, [spec.table for spec in group.specs], make_consumer, on_batch, on_failure,

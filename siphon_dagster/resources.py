@@ -88,10 +88,12 @@ class SparkResource(dg.ConfigurableResource):
     master: str = "local[2]"
     remote: str | None = None
     conf: dict[str, str] = {}
+    max_python_workers: int | None = None
 
     def session(self) -> Any:
-        """One Spark session per run process, reused across micro-batches."""
+        """One Spark session per run process, reused across micro-batches (and tables)."""
         from siphon_core.config import SparkConfig
         from siphon_dagster.streaming.spark_session import get_spark_session
 
-        return get_spark_session(SparkConfig(master=self.master, remote=self.remote, conf=self.conf))
+        return get_spark_session(SparkConfig(master=self.master, remote=self.remote, conf=self.conf,
+                                             max_python_workers=self.max_python_workers))

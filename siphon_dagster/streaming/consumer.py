@@ -75,6 +75,10 @@ class StreamConsumer:
         # With a value, a batch's first message is awaited this long by one pull request (a quiet
         # table then costs one request per interval); None: batch_max_wait_seconds, as a by-hand run.
         self.idle_pull_seconds: float | None = None
+        # False: a batch's pending count is read from its last message's metadata (what JetStream
+        # had not delivered then) instead of a consumer-info request per batch; a group run's
+        # hundreds of tables then send no request per batch beyond pull and ack.
+        self.exact_pending = True
         self._last_schema: object = None
         self._stopping = threading.Event()
 
@@ -307,7 +311,7 @@ class StreamConsumer:
             schema_changed = self._last_schema is not None and applied.schema != self._last_schema
             self._last_schema = applied.schema
         report = self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
-                              await self._pending(), warnings)
+                              await self._pending_after(batch), warnings)
         return dataclasses.replace(report, schema_changed=schema_changed) if schema_changed else report
 
     def _forget_acked(self, sequences: set[int]) -> None:
@@ -316,6 +320,11 @@ class StreamConsumer:
         for key, message in list(self._unacked.items()):
             if message.is_acked or message.metadata.sequence.stream in sequences:
                 del self._unacked[key]
+
+    async def _pending_after(self, batch: _Batch) -> int:
+        if self.exact_pending or not batch.messages:
+            return await self._pending()
+        return int(batch.messages[-1].metadata.num_pending or 0)
 
     async def _pending(self) -> int:
         """Messages still to apply; held slices count as applied-later, not as pending work."""
