@@ -261,7 +261,7 @@ def names_of(pids: list[int]) -> list[str]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 argv = cmdline.read().split(b"\0")
-            out.append(" ".join(a.decode(errors="replace") for a in argv[:4])[:90])
+            out.append(" ".join(a.decode(errors="replace") for a in argv[:6])[:160])
         except OSError:
             continue
     return out
@@ -301,16 +301,29 @@ def differing_rows(config_path: Path) -> tuple[int, list[str]]:
         with source.connect(config.source.dsn) as connection:
             for table in config.tables:
                 schema = source.table_schema(connection, table)
-                columns = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in schema.column_names)
-                rows = connection.execute(sql.SQL("select {} from {}").format(
-                    columns, sql.Identifier(table.schema_name, table.table_name))).fetchall()
-                expected = {row[0]: tuple(row) for row in rows}
+                # Each type's output function, as the producer's session renders it (a `::text` cast
+                # prints a boolean as `true`, its output function as `t`).
+                columns = sql.SQL(", ").join(map(sql.Identifier, schema.column_names))
+                with connection.cursor() as cursor:
+                    cursor.execute(sql.SQL("select {} from {}").format(
+                        columns, sql.Identifier(table.schema_name, table.table_name)))
+                    result = cursor.pgresult
+                    rows = [tuple(None if (v := result.get_value(r, c)) is None else bytes(v).decode()
+                                  for c in range(result.nfields)) for r in range(result.ntuples)]
+                expected = {row[0]: row for row in rows}
                 actual = {row[0]: tuple(row) for row in target.current_rows_as_text(schema)}
-                bad = len(expected.keys() ^ actual.keys()) + sum(
-                    1 for key in expected.keys() & actual.keys() if expected[key] != actual[key])
+                differ = [key for key in expected.keys() & actual.keys() if expected[key] != actual[key]]
+                bad = len(expected.keys() ^ actual.keys()) + len(differ)
                 if bad:
+                    columns = sorted({schema.column_names[i] for key in differ[:50]
+                                      for i, (a, b) in enumerate(zip(expected[key], actual[key], strict=True))
+                                      if a != b})
+                    example = ""
+                    if differ:
+                        i = schema.column_names.index(columns[0])
+                        example = f"; e.g. {columns[0]} {expected[differ[0]][i]!r} != {actual[differ[0]][i]!r}"
                     problems.append(f"{table.name}: {bad} rows differ ({len(expected)} at the source, "
-                                    f"{len(actual)} in ClickHouse)")
+                                    f"{len(actual)} in ClickHouse; columns {columns}{example})")
                 total += bad
     finally:
         target.close()
