@@ -1,6 +1,7 @@
 """Many tables: 200 tables of mixed shapes streamed by `dagster dev`, as a user runs it.
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
+                                [--batch-wait-seconds 1.0]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
@@ -125,7 +126,8 @@ def create_tables(dsn: str, names: list[str]) -> None:
         connection.execute(TICK_FUNCTION)
 
 
-def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int) -> None:
+def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
+                 batch_wait_seconds: float) -> None:
     path.write_text(yaml.safe_dump({
         "application_identifier": APPLICATION,
         "source": {"dsn": dsn},
@@ -133,7 +135,7 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         "producer": {"flush_interval_seconds": 0.2, "metrics_port": metrics_port, "status_interval_seconds": 0.5},
         "tables": [{"name": f"public.{name}"} for name in names],
         "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE}},
-        "streaming": {"batch_max_wait_seconds": 1.0, "materialization_interval_seconds": 60},
+        "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60},
     }, sort_keys=False))
 
 
@@ -355,6 +357,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=2000.0, help="changes per second over all tables")
     parser.add_argument("--seconds", type=float, default=120.0, help="steady phase once every table streams")
     parser.add_argument("--zipf", type=float, default=1.1, help="skew s: table k gets changes in proportion to 1/k^s")
+    parser.add_argument("--batch-wait-seconds", type=float, default=1.0,
+                        help="streaming.batch_max_wait_seconds: how long a batch collects after its first message")
     args = parser.parse_args()
     names = table_names(args.tables)
     load_before = os.getloadavg()[0]
@@ -363,7 +367,8 @@ def main() -> int:
         directory = stack.directory
         config_path = directory / "siphon.yaml"
         metrics_port = free_port()
-        write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port)
+        write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port,
+                     args.batch_wait_seconds)
         create_tables(stack.dsn, names)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
