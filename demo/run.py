@@ -114,7 +114,7 @@ Siphon demo is running.
                        --select clickhouse/public/notes --partition 00000000-00000063
 A workload commits about {args.rate:.0f} transactions per second. Every partition of every table is being
 snapshotted (runs in the UI; log in {directory / 'snapshots.log'}) while the streaming sensor keeps one
-streaming run per (target, table) alive. Press Ctrl-C to stop everything.
+streaming run per target alive, serving every table. Press Ctrl-C to stop everything.
 """, flush=True)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         while not stop.is_set():

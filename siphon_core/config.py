@@ -197,6 +197,8 @@ class ProducerConfig(_Model):
 
 
 TARGET_NAMES = ("clickhouse", "snowflake")
+DEFAULT_GROUP = "default"  # the streaming group of every table not named under streaming.groups
+GROUP_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 class TableConfig(_Model):
@@ -319,6 +321,9 @@ class SparkConfig(_Model):
     master: str = "local[2]"
     remote: str | None = None
     conf: dict[str, str] = Field(default_factory=dict)
+    # Local mode: at most this many tasks, hence Python workers, at once (reused between tasks), for
+    # all the tables of a run together; None: one per core of `master`.
+    max_python_workers: int | None = Field(default=None, ge=1)
 
 
 class StreamingConfig(_Model):
@@ -334,6 +339,37 @@ class StreamingConfig(_Model):
     # served. Each run is a pod in production (9188 there); runs sharing a machine log a taken port.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+
+    # -- one streaming run serves many tables (siphon_dagster.stream_groups) ----------------------
+    # Named groups of tables, each served by a run of its own per target (`stream_<target>__<group>`);
+    # every table not named here is served by the default group's run (`stream_<target>`).
+    groups: dict[str, list[str]] = Field(default_factory=dict)
+    # A table's asset gets at most one materialization per interval, aggregating the batches between
+    # (one sooner when a batch changed the schema or warned): hundreds of tables would flood the log.
+    materialization_interval_seconds: float = Field(default=60.0, ge=0)
+    # Batches up to this many bytes of packages are decoded and folded in the run's own process by
+    # the code the Spark tasks run: a Spark job costs tens of milliseconds however small its batch.
+    driver_decode_max_bytes: int = Field(default=1_000_000, ge=0)
+    # How long a quiet table's pull request waits on its subject before it is renewed.
+    idle_pull_seconds: float = Field(default=20.0, gt=0)
+
+    @field_validator("groups")
+    @classmethod
+    def _group_names(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, tables in value.items():
+            if not GROUP_NAME.fullmatch(name) or name == DEFAULT_GROUP:
+                raise ValueError(f"group '{name}': a group name is letters, digits and '_' "
+                                 f"(and not '{DEFAULT_GROUP}', which holds every table not in a group)")
+            if not tables:
+                raise ValueError(f"group '{name}': name at least one table")
+        return value
+
+    def group_of(self, table: str) -> str:
+        """The streaming group serving `table` (schema.table)."""
+        for name, tables in self.groups.items():
+            if table in tables:
+                return name
+        return DEFAULT_GROUP
 
 
 # --- snapshots: what the snapshot sensor does without an operator ---------------------------------
@@ -405,6 +441,7 @@ class SiphonConfig(_Model):
             if missing:
                 raise ValueError(f"tables: '{table.name}' names target(s) {missing}, which are not configured under "
                                  "targets:")
+        self._check_groups(seen)
         return self
 
     _unexpanded: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -427,6 +464,18 @@ class SiphonConfig(_Model):
                 if isinstance(value, str) and _ENV_REFERENCE.search(value) and key in values:
                     values[key] = value
         return values
+
+    def _check_groups(self, configured: set[str]) -> None:
+        """Every table of a streaming group is configured, and in one group only."""
+        owner: dict[str, str] = {}
+        for group, tables in self.streaming.groups.items():
+            for name in tables:
+                if name not in configured:
+                    raise ValueError(f"streaming.groups.{group}: table '{name}' is not configured under tables:")
+                if name in owner:
+                    raise ValueError(f"streaming.groups: table '{name}' is in both group '{owner[name]}' and group "
+                                     f"'{group}'; a table is served by one group")
+                owner[name] = group
 
     def table(self, name: str) -> TableConfig:
         for table in self.tables:

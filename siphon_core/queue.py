@@ -101,6 +101,10 @@ class JetStreamQueue:
         self._js = self._nc.jetstream(timeout=10.0)
 
     @property
+    def is_connected(self) -> bool:
+        return self._nc is not None and not self._nc.is_closed
+
+    @property
     def js(self) -> JetStreamContext:
         if self._js is None:
             raise QueueError("queue is not connected")

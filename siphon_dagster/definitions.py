@@ -8,6 +8,7 @@ from siphon_core.config import SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
 from siphon_dagster.checks.definitions import build_asset_checks, build_checks_job, build_checks_schedule
 from siphon_dagster.gap_sensor import build_gap_sensor
+from siphon_dagster.group_jobs import build_group_stream_job
 from siphon_dagster.jobs import build_stream_job
 from siphon_dagster.resources import (
     ClickHouseResource,
@@ -20,6 +21,7 @@ from siphon_dagster.resync import build_resync_job
 from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
 from siphon_dagster.snapshot_sensor import build_snapshot_sensor
 from siphon_dagster.specs import group_name, table_specs
+from siphon_dagster.stream_groups import stream_groups
 
 
 def build_resources(config: SiphonConfig) -> dict[str, object]:
@@ -43,8 +45,10 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
         assets.append(build_source_asset(spec))
         assets.extend(build_target_asset(spec, target) for target in spec.targets)
     group = group_name(config.application_identifier)
-    stream_jobs = {(target, spec.qualified_name): build_stream_job(spec, target)
-                   for spec in specs for target in spec.targets}
+    # Single-table jobs stay for draining a table by hand; the sensor runs the group jobs.
+    stream_jobs = [build_stream_job(spec, target) for spec in specs for target in spec.targets]
+    groups = stream_groups(config, specs)
+    group_jobs = {stream_group.key: build_group_stream_job(stream_group) for stream_group in groups}
     # Resync jobs: `resync_<table>` rebuilds a table at its targets (siphon_dagster.resync); the gap
     # sensor requests them all after a lost slot.
     built: list[dg.Definitions] = []  # the checks run through the definitions being built here
@@ -57,10 +61,10 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
         assets=assets,
         asset_checks=asset_checks,
         schedules=[build_checks_schedule(group, checks_job, config)],
-        jobs=[*stream_jobs.values(), *resync_job_list, checks_job],
+        jobs=[*stream_jobs, *group_jobs.values(), *resync_job_list, checks_job],
         sensors=[
             build_partitions_sensor(specs, group),
-            build_streaming_sensor(specs, group, stream_jobs, config.streaming.max_failures_before_backoff),
+            build_streaming_sensor(groups, group, group_jobs, config.streaming.max_failures_before_backoff),
             build_gap_sensor(specs, group, resync_jobs),
             # New tables load, failed snapshot partitions run again, each table's state on its asset.
             build_snapshot_sensor(specs, group, config.snapshots, target_check_keys([*assets, *asset_checks])),

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import dagster as dg
 
 WORKER_TAG = "siphon/worker"
+IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+               dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 SNAPSHOT_RUN_TAG = "siphon/snapshot"  # a run that snapshots block ranges (it holds a pool slot)
 # A run that never tagged itself this long after it started lost its worker before the op began.
 UNTAGGED_GRACE_SECONDS = 600.0

@@ -11,8 +11,17 @@ from siphon_dagster import source as source_db
 from siphon_dagster.assets import observe_source
 from siphon_dagster.partitions import missing_keys
 from siphon_dagster.resources import NatsResource, PostgresResource
-from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, dead_run_reason
+from siphon_dagster.run_liveness import IN_PROGRESS, SNAPSHOT_RUN_TAG, dead_run_reason
 from siphon_dagster.specs import TableSpec
+from siphon_dagster.stream_groups import (
+    APPLICATION_TAG,
+    GROUP_TAG,
+    STREAM_TAG,
+    TABLES_HASH_TAG,
+    StreamGroup,
+    live_streaming_runs,
+    served_tables,
+)
 
 
 def partition_requests(instance: dg.DagsterInstance, connection, specs: list[TableSpec]
@@ -58,10 +67,6 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
     return _partitions
 
 
-IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-               dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
-
-
 # Failures that ended longer ago than this are forgotten: a streak from an earlier session (runs
 # failed when a local instance was stopped hard, say) must not hold back a fresh start.
 FAILURE_MEMORY_SECONDS = 3600.0
@@ -90,53 +95,110 @@ def backoff_seconds(failures: int, threshold: int) -> float:
     return min(600.0, 30.0 * 2 ** (failures - threshold))
 
 
-def build_streaming_sensor(specs: list[TableSpec], group: str, jobs: dict[tuple[str, str], dg.JobDefinition],
+def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: dict[str, dg.JobDefinition],
                            failure_threshold: int, now=time.time) -> dg.SensorDefinition:
+    """`jobs` maps each group's key (`<target>:<group>`) to its group job."""
+    application = groups[0].specs[0].tags[APPLICATION_TAG]
+    by_key = {group.key: group for group in groups}
+
     @dg.sensor(
-        name=f"{group}_streaming",
+        name=f"{sensor_prefix}_streaming",
         jobs=list(jobs.values()),
         minimum_interval_seconds=15,
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description="Keeps one streaming run per (target, table) alive: starts one when none is queued or "
-                    "running, backs off after repeated failures. The cursor records each job's failures, "
-                    "backoff and the queue's pending count.",
+        description="Keeps one streaming run per (target, group) alive, serving exactly the group's tables: "
+                    "starts one when none is alive, replaces a run whose table set changed (terminating it first), "
+                    "never lets two runs apply one table, backs off after repeated failures. The cursor records "
+                    "each group's failures, backoff and its tables' pending messages.",
     )
     def _streaming(context: dg.SensorEvaluationContext, queue: NatsResource) -> dg.SensorResult:
         state = json.loads(context.cursor) if context.cursor else {}
-        pending = _pending_counts(context, queue, jobs)
+        pending = _pending_counts(context, queue, groups)
+        clock = now()
+        live = _live_streaming_runs(context, application, clock)
+        _terminate_stale_runs(context, live, by_key)
         requests = []
-        for job in jobs.values():
+        for group in groups:
+            job = jobs[group.key]
             entry = state.setdefault(job.name, {})
-            if pending.get(job.name) is not None:
-                entry["pending"] = pending[job.name]
-            if _live_runs(context, job.name, now()):
+            if pending.get(group.key) is not None:
+                entry["pending"] = pending[group.key]
+            if any(_serves_group(run, group) for run in live):
                 entry["failures"] = 0
+                entry.pop("waiting_for", None)
                 continue
-            failures, last_end = consecutive_failures(context.instance, job.name, now())
+            busy = [run for run in live if _overlaps(run, group)]
+            if busy:
+                # The old run (or a by-hand single-table run) still holds some of these tables'
+                # consumers; the new run starts once it is gone.
+                entry["waiting_for"] = sorted(run.run_id for run in busy)
+                context.log.info(f"{job.name}: waiting for run(s) {', '.join(entry['waiting_for'])} "
+                                 f"({', '.join(sorted({run.job_name for run in busy}))}), which apply some of its "
+                                 "tables, to end")
+                continue
+            entry.pop("waiting_for", None)
+            failures, last_end = consecutive_failures(context.instance, job.name, clock)
             entry["failures"] = failures
             wait = backoff_seconds(failures, failure_threshold)
-            if wait and now() < last_end + wait:
+            if wait and clock < last_end + wait:
                 entry["backoff_until"] = last_end + wait
                 context.log.warning(f"{job.name}: {failures} consecutive failed runs; next start in "
-                                    f"{last_end + wait - now():.0f}s (see the failed runs for the error)")
+                                    f"{last_end + wait - clock:.0f}s (see the failed runs for the error)")
                 continue
             entry.pop("backoff_until", None)
             requests.append(dg.RunRequest(job_name=job.name, tags={"siphon/started-by": "streaming-sensor"}))
+        for name in set(state) - {jobs[group.key].name for group in groups}:
+            del state[name]  # a group that no longer exists
         return dg.SensorResult(run_requests=requests, cursor=json.dumps(state, sort_keys=True))
 
     return _streaming
 
 
-def _live_runs(context: dg.SensorEvaluationContext, job_name: str, now: float) -> list[dg.DagsterRun]:
-    """The job's in-progress runs that may have a live worker; the others are reported failed."""
+def _live_streaming_runs(context: dg.SensorEvaluationContext, application: str, now: float) -> list[dg.DagsterRun]:
+    """The application's streaming runs that may have a live worker; the others are ended."""
     live = []
-    for record in context.instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=IN_PROGRESS), limit=5):
-        reason = dead_run_reason(record.dagster_run, record.start_time, now)
-        if reason is None:
-            live.append(record.dagster_run)
-            continue
-        _end_dead_run(context, record.dagster_run, f"{job_name}: run {record.dagster_run.run_id}", reason)
+    for run, dead in live_streaming_runs(context.instance, application, now):
+        if dead is None:
+            live.append(run)
+        else:
+            _end_dead_run(context, run, f"{run.job_name}: run {run.run_id}", dead)
     return live
+
+
+def _serves_group(run: dg.DagsterRun, group: StreamGroup) -> bool:
+    served = served_tables(run)
+    return served is not None and run.tags.get(GROUP_TAG) == group.key \
+        and run.tags.get(TABLES_HASH_TAG) == group.tables_hash and run.status != dg.DagsterRunStatus.CANCELING
+
+
+def _overlaps(run: dg.DagsterRun, group: StreamGroup) -> bool:
+    """Whether the run applies any table of the group to the group's target."""
+    served = served_tables(run)
+    if served is not None:
+        return served[0] == group.target and bool(served[2] & set(group.tables))
+    target, _, table = run.tags.get(STREAM_TAG, "").partition(":")
+    return target == group.target and table in group.tables
+
+
+def _terminate_stale_runs(context: dg.SensorEvaluationContext, live: list[dg.DagsterRun],
+                          groups: dict[str, StreamGroup]) -> None:
+    """Asks every group run whose table set is no longer its group's (tables added, removed or
+    moved, a group gone) to terminate; its replacement starts once it has ended."""
+    for run in live:
+        key = run.tags.get(GROUP_TAG)
+        if key is None or run.status == dg.DagsterRunStatus.CANCELING:
+            continue
+        group = groups.get(key)
+        if group is not None and run.tags.get(TABLES_HASH_TAG) == group.tables_hash:
+            continue
+        why = "its group is no longer configured" if group is None else "its group's tables changed"
+        context.log.info(f"{run.job_name}: terminating run {run.run_id}: {why}")
+        try:
+            # The coordinator cancels a queued run itself and asks the launcher to terminate a
+            # launched one (the run is CANCELING until its worker has stopped).
+            context.instance.run_coordinator.cancel_run(run.run_id)
+        except Exception as error:  # the next tick asks again
+            context.log.warning(f"{run.job_name}: could not terminate run {run.run_id}: {error}")
 
 
 def _end_dead_run(context: dg.SensorEvaluationContext, run: dg.DagsterRun, what: str, reason: str) -> None:
@@ -167,8 +229,9 @@ def fail_dead_snapshot_runs(context: dg.SensorEvaluationContext, now: float) -> 
 
 
 def _pending_counts(context: dg.SensorEvaluationContext, resource: NatsResource,
-                    jobs: dict[tuple[str, str], dg.JobDefinition]) -> dict[str, int | None]:
-    """Each consumer's pending messages; an unreachable queue is logged, never fatal to the tick."""
+                    groups: list[StreamGroup]) -> dict[str, int | None]:
+    """Each group's pending messages over its tables' consumers; an unreachable queue is logged,
+    never fatal to the tick."""
     from siphon_core import naming
 
     async def fetch() -> dict[str, int | None]:
@@ -176,12 +239,15 @@ def _pending_counts(context: dg.SensorEvaluationContext, resource: NatsResource,
         await queue.connect(connect_timeout=2.0)
         counts: dict[str, int | None] = {}
         try:
-            for (target, table), job in jobs.items():
-                schema, _, name = table.partition(".")
-                try:
-                    counts[job.name] = await queue.pending(naming.consumer_name(target, schema, name))
-                except Exception:  # the consumer does not exist until its first run
-                    counts[job.name] = None
+            for group in groups:
+                total = None
+                for spec in group.specs:
+                    try:
+                        count = await queue.pending(naming.consumer_name(group.target, spec.schema, spec.name))
+                    except Exception:  # the consumer does not exist until its first run
+                        continue
+                    total = (total or 0) + count
+                counts[group.key] = total
         finally:
             await queue.close()
         return counts

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -21,7 +21,13 @@ from siphon_dagster.streaming.batch import ReceivedPackage
 from siphon_dagster.streaming.decode import DecodeSpec, value_column
 from siphon_dagster.streaming.schema import SchemaTracker
 from siphon_dagster.streaming.source_rows import SourceRowReader
-from siphon_dagster.streaming.spark_plan import folded_pieces, key_history, merge_folded
+from siphon_dagster.streaming.spark_plan import (
+    folded_pieces,
+    folded_pieces_in_driver,
+    key_history,
+    key_history_in_driver,
+    merge_folded,
+)
 from siphon_dagster.streaming.toast import ToastStats, fill_unchanged
 from siphon_dagster.targets.base import TableSchema, Target, change_batch_schema
 
@@ -35,6 +41,7 @@ class AppliedBatch:
     seconds: dict[str, float] = field(default_factory=dict)  # schema, spark (decode+fold+collect), merge, toast, apply
     prepared_early: bool = False
     load_path: str | None = None  # how the target loaded the rows, when it says (Snowflake: stage or insert)
+    in_driver: bool = False  # decoded and folded in this process, not by Spark tasks
 
 
 @dataclass
@@ -48,6 +55,7 @@ class PreparedBatch:
     truncated_at: int | None
     seconds: dict[str, float]
     early: bool = False  # prepared while the batch before was written
+    in_driver: bool = False  # decoded and folded in this process (a small batch), not by Spark tasks
 
 
 class BatchApplier:
@@ -59,13 +67,23 @@ class BatchApplier:
     TOAST fill, which reads the target's rows, still runs after the earlier write.
     """
 
-    def __init__(self, spark: SparkSession, target: Target, schema: str, table: str,
-                 source: SourceRowReader | None = None) -> None:
-        self.spark = spark
+    def __init__(self, spark: SparkSession | Callable[[], SparkSession], target: Target, schema: str, table: str,
+                 source: SourceRowReader | None = None, driver_decode_max_bytes: int = 0) -> None:
+        # A callable starts the session on first need: a group run whose batches are all small
+        # never starts a JVM.
+        self._spark = spark
+        # Batches of at most this many payload bytes skip Spark: same decode, no job to schedule.
+        self.driver_decode_max_bytes = driver_decode_max_bytes
         self.target = target
         self.source = source
         self.schemas = SchemaTracker(target, schema, table, source)
         self._preparing = threading.Lock()
+
+    @property
+    def spark(self) -> SparkSession:
+        if callable(self._spark) and not isinstance(self._spark, SparkSession):
+            self._spark = self._spark()
+        return self._spark
 
     @property
     def qualified_name(self) -> str:
@@ -97,9 +115,17 @@ class BatchApplier:
         truncates = [p.truncated_at for p in packages if p.truncated_at is not None]
         truncated_at = max(truncates) if truncates else None
         started = time.perf_counter()
-        pieces = folded_pieces(self.spark, packages, spec, truncated_at)
-        seconds["spark"] = _lap(started)
-        return PreparedBatch(packages, table, spec, pieces, truncated_at, seconds)
+        in_driver = self.decodes_in_driver(packages)
+        if in_driver:
+            pieces = folded_pieces_in_driver(packages, spec, truncated_at)
+            seconds["decode"] = _lap(started)
+        else:
+            pieces = folded_pieces(self.spark, packages, spec, truncated_at)
+            seconds["spark"] = _lap(started)
+        return PreparedBatch(packages, table, spec, pieces, truncated_at, seconds, in_driver=in_driver)
+
+    def decodes_in_driver(self, packages: Sequence[ReceivedPackage]) -> bool:
+        return sum(len(p.payload) for p in packages) <= self.driver_decode_max_bytes
 
     def apply(self, packages: Sequence[ReceivedPackage], prepared: PreparedBatch | None = None) -> AppliedBatch:
         """Applies `packages`; `prepared` is their `prepare` result when it was done beforehand."""
@@ -111,9 +137,13 @@ class BatchApplier:
         folded = _as_text(merge_folded(prepared.pieces, len(table.columns)), table)
         seconds["merge"] = _lap(started)
         started = time.perf_counter()
-        folded, toast = fill_unchanged(folded, table, self.target, self.source,
-                                       lambda keys, positions: key_history(self.spark, packages, spec, keys,
-                                                                           positions))
+
+        def history(keys: Sequence[bytes], positions: Sequence[int]) -> pa.Table:
+            if prepared.in_driver:
+                return key_history_in_driver(packages, spec, keys, positions)
+            return key_history(self.spark, packages, spec, keys, positions)
+
+        folded, toast = fill_unchanged(folded, table, self.target, self.source, history)
         rows = change_rows(folded, table)
         seconds["toast"] = _lap(started)
 
@@ -125,7 +155,8 @@ class BatchApplier:
             self.target.apply_rows(table, rows)
             load_path = getattr(self.target, "last_load_path", None)
         seconds["apply"] = _lap(started)
-        return AppliedBatch(table, rows.num_rows, prepared.truncated_at, toast, seconds, prepared.early, load_path)
+        return AppliedBatch(table, rows.num_rows, prepared.truncated_at, toast, seconds, prepared.early,
+                            load_path=load_path, in_driver=prepared.in_driver)
 
 
 def change_rows(folded: pa.Table, table: TableSchema) -> pa.Table:

@@ -49,7 +49,8 @@ _PROGRESS_SHARE_OF_ACK_WAIT = 1 / 3  # in-progress marks are sent this often, as
 class StreamConsumer:
     """Applies one table's stream to one target. Not thread-safe; `stop()` may be called from any thread."""
 
-    def __init__(self, queue: JetStreamQueue, target: Target, table: TableConfig, spark: SparkSession,
+    def __init__(self, queue: JetStreamQueue, target: Target, table: TableConfig,
+                 spark: SparkSession | Callable[[], SparkSession],
                  streaming: StreamingConfig | None = None, source: SourceRowReader | None = None,
                  retry: RetryPolicy | None = None) -> None:
         self.queue = queue
@@ -59,7 +60,8 @@ class StreamConsumer:
         application = queue.settings.application_identifier
         self.subject = naming.table_subject(application, table.schema_name, table.table_name)
         self.durable = naming.consumer_name(target.name, table.schema_name, table.table_name)
-        self.applier = BatchApplier(spark, target, table.schema_name, table.table_name, source)
+        self.applier = BatchApplier(spark, target, table.schema_name, table.table_name, source,
+                                    driver_decode_max_bytes=self.streaming.driver_decode_max_bytes)
         self.strategy = ErrorStrategy(
             table.on_error, queue, self.applier, retry or RetryPolicy(),
             dead_letter_subject=naming.dead_letter_subject(application, table.schema_name, table.table_name),
@@ -70,6 +72,14 @@ class StreamConsumer:
         self._held: dict[int, Msg] = {}  # slices of an event whose last slice has not arrived
         self._unacked: dict[int, Msg] = {}  # every message pulled and not yet acked, by id()
         self.progress_interval_seconds: float | None = None  # None: a third of the consumer's ack wait
+        # With a value, a batch's first message is awaited this long by one pull request (a quiet
+        # table then costs one request per interval); None: batch_max_wait_seconds, as a by-hand run.
+        self.idle_pull_seconds: float | None = None
+        # False: a batch's pending count is read from its last message's metadata (what JetStream
+        # had not delivered then) instead of a consumer-info request per batch; a group run's
+        # hundreds of tables then send no request per batch beyond pull and ack.
+        self.exact_pending = True
+        self._last_schema: object = None
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -83,7 +93,11 @@ class StreamConsumer:
     async def run_async(self, stop_when_drained: bool = False, max_batches: int | None = None,
                         on_batch: Callable[[BatchReport], None] | None = None) -> RunSummary:
         summary = RunSummary()
-        await self.queue.connect()
+        # A queue already connected is shared with other tables' consumers (a group run): its
+        # owner closes it.
+        owns_connection = not self.queue.is_connected
+        if owns_connection:
+            await self.queue.connect()
         try:
             await self.queue.ensure_stream()
             await self._rewind_if_interrupted()
@@ -96,7 +110,8 @@ class StreamConsumer:
                 # Unacknowledged messages of a failed batch wait for the next run, which replays them.
                 await subscription.unsubscribe()
         finally:
-            await self.queue.close()
+            if owns_connection:
+                await self.queue.close()
         return summary
 
     async def _loop(self, subscription: JetStreamContext.PullSubscription, summary: RunSummary,
@@ -194,6 +209,14 @@ class StreamConsumer:
         deadline = loop.time() + limits.batch_max_wait_seconds
         messages: list[Msg] = []
         size = 0
+        if self.idle_pull_seconds is not None:
+            try:
+                messages = await subscription.fetch(1, timeout=self.idle_pull_seconds)
+            except TimeoutError:
+                return []
+            size = sum(len(m.data) for m in messages)
+            self._unacked.update((id(m), m) for m in messages)
+            deadline = loop.time() + limits.batch_max_wait_seconds
         while len(messages) < limits.batch_max_messages and size < limits.batch_max_bytes:
             remaining = deadline - loop.time()
             if remaining < 0.01:
@@ -282,10 +305,14 @@ class StreamConsumer:
         timings["ack"] = round(time.perf_counter() - started, 4)
         if not batch.packages and not dead_lettered:
             return None
+        schema_changed = False
         if applied is not None:
             timings.update(applied.seconds)
-        return self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
-                            await self._pending(), warnings)
+            schema_changed = self._last_schema is not None and applied.schema != self._last_schema
+            self._last_schema = applied.schema
+        report = self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
+                              await self._pending_after(batch), warnings)
+        return dataclasses.replace(report, schema_changed=schema_changed) if schema_changed else report
 
     def _forget_acked(self, sequences: set[int]) -> None:
         """Stops marking acked messages in progress; an older copy of an acked sequence (a slice
@@ -293,6 +320,11 @@ class StreamConsumer:
         for key, message in list(self._unacked.items()):
             if message.is_acked or message.metadata.sequence.stream in sequences:
                 del self._unacked[key]
+
+    async def _pending_after(self, batch: _Batch) -> int:
+        if self.exact_pending or not batch.messages:
+            return await self._pending()
+        return int(batch.messages[-1].metadata.num_pending or 0)
 
     async def _pending(self) -> int:
         """Messages still to apply; held slices count as applied-later, not as pending work."""
@@ -323,6 +355,7 @@ class StreamConsumer:
             seconds=timings, warnings=tuple(warnings),
             prepared_early=applied.prepared_early if applied is not None else False,
             load_path=applied.load_path if applied is not None else None,
+            decoded_in_driver=applied.in_driver if applied is not None else False,
         )
 
 

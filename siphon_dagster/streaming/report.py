@@ -29,6 +29,8 @@ class BatchReport:
     warnings: tuple[str, ...] = ()
     prepared_early: bool = False  # decoded and folded while the batch before was written
     load_path: str | None = None  # how the target loaded the batch, when it says (Snowflake: stage or insert)
+    schema_changed: bool = False  # the target's table schema differs from the previous batch's
+    decoded_in_driver: bool = False  # small batch: decoded in the run's process, not by Spark tasks
 
     @property
     def applied_lsn_text(self) -> str:

@@ -15,6 +15,7 @@ differ for some types (boolean prints `true`, not `t`; char(n) loses its padding
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,6 +82,33 @@ class SourceRowReader:
         if self._connection is None or self._connection.closed:
             self._connection = source.connect(self._dsn, autocommit=True)
         return self._connection
+
+
+class SharedSourceRowReader(SourceRowReader):
+    """One reader for every table of a group run: one source connection (hundreds of tables must
+    not hold hundreds), used by one table's thread at a time."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn)
+        self._lock = threading.Lock()
+
+    def read_rows(self, table: TableSchema, keys: Sequence[tuple[str, ...]],
+                  columns: Sequence[str]) -> dict[tuple[str, ...], TextRow]:
+        with self._lock:
+            return super().read_rows(table, keys, columns)
+
+    def type_categories(self, type_oids: Sequence[int]) -> dict[int, tuple[str, int]]:
+        with self._lock:
+            return super().type_categories(type_oids)
+
+    def existing_rows_values(self, table: TableSchema,
+                             columns: Sequence[SourceColumn]) -> dict[str, ExistingRowsValue]:
+        with self._lock:
+            return super().existing_rows_values(table, columns)
+
+    def close(self) -> None:
+        with self._lock:
+            super().close()
 
 
 def _rows_query(table: TableSchema, key_names: list[str], columns: list[str], key_count: int) -> sql.Composed:

@@ -79,6 +79,23 @@ def folded_pieces(spark: SparkSession, packages: Sequence[ReceivedPackage], spec
         return _collect(_package_frame(spark, packages, directory).mapInArrow(stage, BLOB_DDL))
 
 
+def folded_pieces_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpec,
+                            truncated_at: int | None) -> list[pa.Table]:
+    """`folded_pieces` without Spark: the decode stage the tasks run, called in this process on one
+    slice of every package. For small batches, where a Spark job's scheduling (tens of
+    milliseconds) would cost more than the decoding."""
+    stage = DecodeStage(spec, truncated_at, in_driver=True)
+    return [table for batch in stage(iter(package_rows(packages, None).to_batches())) for table in _results(batch)]
+
+
+def key_history_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpec, keys: Sequence[bytes],
+                          positions: Sequence[int]) -> pa.Table:
+    """`key_history` without Spark, for the batches `folded_pieces_in_driver` decoded."""
+    stage = DecodeStage(spec, None, keys=frozenset(keys), positions=tuple(positions), in_driver=True)
+    pieces = [table for batch in stage(iter(package_rows(packages, None).to_batches())) for table in _results(batch)]
+    return pa.concat_tables(pieces) if pieces else folded_schema(len(spec.columns), positions).empty_table()
+
+
 def merge_folded(pieces: Sequence[pa.Table], column_count: int) -> pa.Table:
     """The latest row of each key among folded pieces, laid out as `decode.folded_schema`: `_key,
     _op, _lsn, _pos, _seq, _reset, _origin, _unchanged, c0..cN` (values as binary), `_version`."""
@@ -123,8 +140,10 @@ class DecodeStage:
     `PACKAGES_FILE`."""
 
     def __init__(self, spec: DecodeSpec, truncated_at: int | None, keys: frozenset[bytes] | None = None,
-                 positions: tuple[int, ...] | None = None, directory: str | None = None) -> None:
+                 positions: tuple[int, ...] | None = None, directory: str | None = None,
+                 in_driver: bool = False) -> None:
         self.spec = spec
+        self.in_driver = in_driver  # called by the run's own process: not a Python worker's heap to freeze
         self.truncated_at = truncated_at
         self.keys = keys  # history: only these keys, nothing folded, values at `positions`
         self.positions = positions
@@ -144,7 +163,8 @@ class DecodeStage:
                     parts, held = [], 0
         if parts:
             yield self._flush(parts)
-        _freeze_worker_heap()
+        if not self.in_driver:
+            _freeze_worker_heap()
 
     def _payloads(self, batch: pa.RecordBatch) -> Iterator[tuple[int, bytes]]:
         sequences = batch.column(0).to_pylist()

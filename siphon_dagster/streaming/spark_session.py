@@ -98,12 +98,18 @@ def _start_driver(config: SparkConfig) -> SparkSession:
     # Spark reads the variable, not a configuration key, when it forks them.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     settings = {**_DRIVER_DEFAULTS, **_RUNTIME_DEFAULTS}
-    if config.master.startswith("local"):
+    master = config.master
+    if master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        # One task per core, not Spark's default 200 partitions.
-        cores = str(local_cores(config.master))
+        # One task per core, not Spark's default 200 partitions; every table of a group run shares
+        # these task slots, so their Python workers are capped together.
+        slots = local_cores(master)
+        if config.max_python_workers is not None and slots > config.max_python_workers:
+            slots = config.max_python_workers
+            master = f"local[{slots}]"
+        cores = str(slots)
         settings |= {**_LOCAL_DEFAULTS, "spark.sql.shuffle.partitions": cores, "spark.default.parallelism": cores}
-    builder = SparkSession.builder.master(config.master)
+    builder = SparkSession.builder.master(master)
     for key, value in {**settings, **config.conf}.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()

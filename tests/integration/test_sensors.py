@@ -18,6 +18,7 @@ from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, dead_run_reason, worker_identity
 from siphon_dagster.sensors import FAILURE_MEMORY_SECONDS, backoff_seconds, build_streaming_sensor
 from siphon_dagster.specs import table_specs
+from siphon_dagster.stream_groups import stream_groups
 
 
 @pytest.fixture
@@ -98,7 +99,15 @@ def test_partitions_tick_after_growth_adds_only_the_new_ranges(config):
 
 
 def streaming_job_name(config):
-    return table_specs(config)[0].stream_job_name("clickhouse")
+    """The group job the streaming sensor runs for the default group."""
+    return "stream_clickhouse"
+
+
+def group_run(instance, config, status=dg.DagsterRunStatus.STARTED, tags=None, job_name=None):
+    """A run of the default group's job, tagged as a run of the current definitions would be."""
+    defs = build_definitions(config)
+    job = defs.resolve_job_def(job_name or streaming_job_name(config))
+    return create_run_for_test(instance, job_name=job.name, status=status, tags={**job.tags, **(tags or {})})
 
 
 def test_streaming_sensor_starts_a_run_when_none_is_alive(config):
@@ -113,7 +122,7 @@ def test_streaming_sensor_starts_a_run_when_none_is_alive(config):
 def test_streaming_sensor_does_not_start_a_duplicate(config):
     defs = build_definitions(config)
     with dg.instance_for_test() as instance:
-        create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED)
+        group_run(instance, config)
         result = tick(defs, config, instance, "_streaming")
         assert result.run_requests == []
 
@@ -131,8 +140,7 @@ def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
     defs = build_definitions(config)
     gone = gone_worker_identity()
     with dg.instance_for_test() as instance:
-        dead = create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED,
-                                   tags={WORKER_TAG: gone})
+        dead = group_run(instance, config, tags={WORKER_TAG: gone})
         result = tick(defs, config, instance, "_streaming")
         assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
         assert instance.get_run_by_id(dead.run_id).status == dg.DagsterRunStatus.FAILURE
@@ -142,8 +150,7 @@ def test_a_run_whose_worker_went_while_it_was_being_canceled_is_marked_canceled_
     defs = build_definitions(config)
     gone = gone_worker_identity()
     with dg.instance_for_test() as instance:
-        canceling = create_run_for_test(instance, job_name=streaming_job_name(config),
-                                        status=dg.DagsterRunStatus.CANCELING, tags={WORKER_TAG: gone})
+        canceling = group_run(instance, config, status=dg.DagsterRunStatus.CANCELING, tags={WORKER_TAG: gone})
         result = tick(defs, config, instance, "_streaming")
         assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
         assert instance.get_run_by_id(canceling.run_id).status == dg.DagsterRunStatus.CANCELED
@@ -153,12 +160,10 @@ def test_a_run_whose_worker_went_while_it_was_being_canceled_is_marked_canceled_
 def test_streaming_sensor_keeps_a_run_whose_worker_is_alive_or_on_another_host(config):
     defs = build_definitions(config)
     with dg.instance_for_test() as instance:
-        here = create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED,
-                                   tags={WORKER_TAG: worker_identity()})
+        here = group_run(instance, config, tags={WORKER_TAG: worker_identity()})
         assert tick(defs, config, instance, "_streaming").run_requests == []
         instance.report_run_failed(here)
-        create_run_for_test(instance, job_name=streaming_job_name(config), status=dg.DagsterRunStatus.STARTED,
-                            tags={WORKER_TAG: "another-host:1:123"})
+        group_run(instance, config, tags={WORKER_TAG: "another-host:1:123"})
         assert tick(defs, config, instance, "_streaming").run_requests == []
 
 
@@ -172,10 +177,9 @@ def test_an_untagged_run_counts_as_dead_only_long_after_it_started():
 def _tick_at(config, instance: dg.DagsterInstance, now: float) -> dg.SensorResult:
     """A tick of the streaming sensor as if the clock read `now`."""
     defs = build_definitions(config)
-    specs = table_specs(config)
-    job = defs.resolve_job_def(streaming_job_name(config))
-    sensor = build_streaming_sensor(specs, "later", {("clickhouse", specs[0].qualified_name): job},
-                                    failure_threshold=3, now=lambda: now)
+    groups = stream_groups(config, table_specs(config))
+    jobs = {group.key: defs.resolve_job_def(group.job_name) for group in groups}
+    sensor = build_streaming_sensor(groups, "later", jobs, failure_threshold=3, now=lambda: now)
     return sensor(dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs))
 
 
@@ -275,3 +279,105 @@ def test_a_table_without_a_primary_key_holds_back_no_other_table(config, postgre
         assert [o.asset_key for o in result.asset_events] == [table_specs(both)[0].source_key]
         assert {r.partitions_def_name for r in result.dynamic_partitions_requests} == \
             {spec.partitions_def_name for spec in table_specs(both)}
+
+
+def with_tables(config, names, groups=None):
+    """`config` with these tables (created when missing) in its schema, and these streaming groups."""
+    schema = table_specs(config)[0].schema
+    with psycopg.connect(config.source.dsn, autocommit=True) as connection:
+        for name in names:
+            connection.execute(sql.SQL("create table if not exists {} (id int primary key, body text)").format(
+                sql.Identifier(schema, name)))
+    raw = config.model_dump(by_alias=True)
+    raw["tables"] = [{"name": f"{schema}.{name}"} for name in names]
+    raw["streaming"] = {**raw["streaming"], "groups": {g: [f"{schema}.{t}" for t in ts]
+                                                        for g, ts in (groups or {}).items()}}
+    return parse_config(raw)
+
+
+def test_first_tick_starts_one_run_per_target_and_group(config):
+    grouped = with_tables(config, ["grows", "events", "orders"], groups={"hot": ["events"]})
+    defs = build_definitions(grouped)
+    with dg.instance_for_test() as instance:
+        result = tick(defs, grouped, instance, "_streaming")
+        assert sorted(r.job_name for r in result.run_requests) == ["stream_clickhouse", "stream_clickhouse__hot"]
+        schema = table_specs(grouped)[0].schema
+        tables = {name: defs.resolve_job_def(name).tags["siphon/stream-tables"]
+                  for name in ("stream_clickhouse", "stream_clickhouse__hot")}
+        assert tables == {"stream_clickhouse": f"{schema}.grows,{schema}.orders",
+                          "stream_clickhouse__hot": f"{schema}.events"}
+
+
+def test_a_run_serving_an_older_table_set_is_terminated_and_replaced_only_once_it_is_gone(config):
+    before = with_tables(config, ["grows", "events"])
+    after = with_tables(config, ["grows", "events", "orders"])
+    with dg.instance_for_test() as instance:
+        old = group_run(instance, before, tags={WORKER_TAG: worker_identity()})
+        defs = build_definitions(after)
+        first = tick(defs, after, instance, "_streaming")
+        assert first.run_requests == []
+        # Termination was requested: the run is CANCELING until its worker stops.
+        assert instance.get_run_by_id(old.run_id).status == dg.DagsterRunStatus.CANCELING
+        assert json.loads(first.cursor)["stream_clickhouse"]["waiting_for"] == [old.run_id]
+        # Still alive: no second run beside it, and no second termination request.
+        assert tick(defs, after, instance, "_streaming", cursor=first.cursor).run_requests == []
+        instance.report_run_canceled(instance.get_run_by_id(old.run_id))
+        third = tick(defs, after, instance, "_streaming", cursor=first.cursor)
+        assert [r.job_name for r in third.run_requests] == ["stream_clickhouse"]
+        assert "waiting_for" not in json.loads(third.cursor)["stream_clickhouse"]
+
+
+def test_a_table_moved_to_another_group_waits_for_the_run_that_served_it(config):
+    before = with_tables(config, ["grows", "events"])
+    after = with_tables(config, ["grows", "events"], groups={"hot": ["events"]})
+    with dg.instance_for_test() as instance:
+        old = group_run(instance, before, tags={WORKER_TAG: worker_identity()})
+        result = tick(build_definitions(after), after, instance, "_streaming")
+        # Both new groups hold a table the old run still applies.
+        assert result.run_requests == []
+        assert instance.get_run_by_id(old.run_id).status == dg.DagsterRunStatus.CANCELING
+        state = json.loads(result.cursor)
+        assert state["stream_clickhouse"]["waiting_for"] == state["stream_clickhouse__hot"]["waiting_for"] \
+            == [old.run_id]
+
+
+def test_a_run_of_a_group_no_longer_configured_is_terminated(config):
+    before = with_tables(config, ["grows", "events"], groups={"hot": ["events"]})
+    after = with_tables(config, ["grows", "events"])
+    with dg.instance_for_test() as instance:
+        hot = group_run(instance, before, tags={WORKER_TAG: worker_identity()}, job_name="stream_clickhouse__hot")
+        result = tick(build_definitions(after), after, instance, "_streaming")
+        assert result.run_requests == []
+        assert instance.get_run_by_id(hot.run_id).status == dg.DagsterRunStatus.CANCELING
+
+
+def test_a_single_table_run_by_hand_holds_back_the_group_run(config):
+    grouped = with_tables(config, ["grows", "events"])
+    defs = build_definitions(grouped)
+    spec = table_specs(grouped)[1]
+    single = defs.resolve_job_def(spec.stream_job_name("clickhouse"))
+    with dg.instance_for_test() as instance:
+        by_hand = create_run_for_test(instance, job_name=single.name, status=dg.DagsterRunStatus.STARTED,
+                                      tags={**single.tags, WORKER_TAG: worker_identity()})
+        result = tick(defs, grouped, instance, "_streaming")
+        assert result.run_requests == []
+        assert json.loads(result.cursor)["stream_clickhouse"]["waiting_for"] == [by_hand.run_id]
+        # The sensor never terminates a run started by hand; it waits for it to end.
+        assert instance.get_run_by_id(by_hand.run_id).status == dg.DagsterRunStatus.STARTED
+        instance.report_run_failed(instance.get_run_by_id(by_hand.run_id))
+        assert [r.job_name for r in tick(defs, grouped, instance, "_streaming").run_requests] == ["stream_clickhouse"]
+
+
+def test_a_single_table_run_refuses_to_start_while_a_group_run_serves_its_table(config):
+    defs = build_definitions(config)
+    spec = table_specs(config)[0]
+    with dg.instance_for_test() as instance:
+        live = group_run(instance, config, tags={WORKER_TAG: worker_identity()})
+        job = defs.resolve_job_def(spec.stream_job_name("clickhouse"))
+        result = job.execute_in_process(instance=instance, raise_on_error=False,
+                                        run_config={"ops": {f"apply_clickhouse_{spec.job_suffix}":
+                                                            {"config": {"stop_when_drained": True}}}})
+        assert not result.success
+        failure = result.failure_data_for_node(f"apply_clickhouse_{spec.job_suffix}")
+        message = failure.error.message
+        assert live.run_id in message and "stream_clickhouse" in message and spec.qualified_name in message

@@ -85,7 +85,11 @@ def test_a_table_goes_to_the_targets_it_names():
     assert keys == {"postgres/public/notes", "clickhouse/public/notes", "snowflake/public/notes",
                     "postgres/public/events", "snowflake/public/events"}
     jobs = {job.name for job in defs.resolve_all_job_defs() if job.name.startswith("stream_")}
-    assert jobs == {"stream_clickhouse_notes", "stream_snowflake_notes", "stream_snowflake_events"}
+    assert jobs == {"stream_clickhouse_notes", "stream_snowflake_notes", "stream_snowflake_events",
+                    "stream_clickhouse", "stream_snowflake"}
+    groups = {job.name: job.tags["siphon/stream-tables"] for job in defs.resolve_all_job_defs()
+              if "siphon/stream-group" in job.tags}
+    assert groups == {"stream_clickhouse": "public.notes", "stream_snowflake": "public.events,public.notes"}
 
 
 def test_secrets_travel_as_references_and_never_reach_the_job_snapshots(monkeypatch) -> None:

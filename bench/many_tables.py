@@ -1,0 +1,486 @@
+"""Many tables: 200 tables of mixed shapes streamed by `dagster dev`, as a user runs it.
+
+    python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
+                                [--batch-wait-seconds 1.0]
+
+PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
+created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
+rows) and wide (42 columns and a body stored out of line, a tenth of it TOASTed, that updates
+leave unchanged). The producer starts, then `dagster dev` (webserver, daemon, code server): the
+daemon's streaming sensor starts the streaming runs, one per (target, group), here one run for
+every table. From that moment a writer (one PL/pgSQL call per 100 ms tick, one transaction)
+commits --rate changes/s spread over the tables Zipf-skewed (table k of a shuffled order gets
+changes in proportion to 1/k^s): 70% inserts, 20% updates of recent rows, 10% deletes of the
+oldest.
+
+Figures:
+- all_streaming_s: from `dagster dev`'s start until every table's first insert is visible in
+  ClickHouse (each table gets one in the first tick).
+- freshness_p95_s: over every tick's insert into every table after all tables stream, the time
+  from its commit until a poll (one query over every table, every 0.5 s) saw its id; an upper
+  bound by up to a poll's interval and duration.
+- rss_mb / processes: the peak over samples every 2 s of the summed resident memory and the
+  number of processes of `dagster dev`'s whole tree (webserver, daemon, code servers, every run
+  worker, its Spark JVM and Python workers if started). Shared pages are counted in each process.
+- rows_differing: at the end, once the producer confirmed the end of the WAL and the runs
+  drained, every table's rows (PostgreSQL's text of every column) against the `_current` view.
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import clickhouse_connect
+import psycopg
+import yaml
+from common import print_json, print_table, services
+from psycopg import sql
+
+from siphon_core import naming
+from siphon_core.config import TableConfig, load_config
+from siphon_dagster import source
+from siphon_dagster.targets import build_target
+from siphon_stack.process import free_port, port_accepts, start_process, stop_pid, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+APPLICATION = "bench.many"
+DATABASE = "many"
+TICK_SECONDS = 0.1
+POLL_SECONDS = 0.5
+SAMPLE_SECONDS = 2.0
+TARGETS = {"rss_mb": 3000.0, "processes": 12, "freshness_p95_s": 5.0, "all_streaming_s": 90.0, "rows_differing": 0}
+
+NARROW = "create table {name} (id bigserial primary key, k int not null, v text default md5(random()::text), " \
+         "at timestamptz default clock_timestamp())"
+NOTES = """create table {name} (
+    id bigserial primary key, k int not null,
+    note text default repeat('a useful comment about the change ', 6) || md5(random()::text),
+    noteable_type varchar(255) default 'MergeRequest', author_id bigint default (random() * 5000)::bigint,
+    created_at timestamptz default now(), updated_at timestamptz default clock_timestamp(),
+    project_id bigint default 700, line_code varchar(255) default md5(random()::text) || '_12_14',
+    commit_id varchar(255) default md5(random()::text), noteable_id bigint default 90000,
+    system boolean not null default false, updated_by_id bigint, type varchar(255) default 'DiffNote',
+    position text default '{{"base_sha":"' || md5(random()::text) || '","start_line":12}}',
+    discussion_id varchar(255) default md5(random()::text), cached_markdown_version integer default 2072576,
+    confidential boolean default false, internal boolean not null default false, namespace_id bigint default 7)"""
+WIDE_TYPES = [("int", "1"), ("text", "'value'"), ("numeric(12,2)", "3.14"), ("boolean", "true"),
+              ("timestamptz", "now()")]
+
+
+def wide_ddl(name: str) -> str:
+    columns = ", ".join(f"c{i:02d} {WIDE_TYPES[i % 5][0]} default {WIDE_TYPES[i % 5][1]}" for i in range(40))
+    return (f"create table {name} (id bigserial primary key, k int not null, {columns}, body text default "
+            "case when random() < 0.1 then repeat(md5(random()::text), 250) else 'short' end)")
+
+
+TICK_FUNCTION = """
+create or replace function bench_tick(names text[], inserts int[], updates int[], deletes int[])
+returns bigint[] language plpgsql as $$
+declare
+    result bigint[] := '{}';
+    top bigint;
+begin
+    for i in 1 .. coalesce(array_length(names, 1), 0) loop
+        top := 0;
+        if inserts[i] > 0 then
+            execute format('with s as (insert into %I (k) select g from generate_series(1, $1) g returning id) '
+                           'select max(id) from s', names[i]) into top using inserts[i];
+        end if;
+        if updates[i] > 0 then
+            execute format('update %I set k = k + 1 where id in (select id from %I order by id desc limit $1)',
+                           names[i], names[i]) using updates[i];
+        end if;
+        if deletes[i] > 0 then
+            execute format('delete from %I where id in (select id from %I order by id limit $1)',
+                           names[i], names[i]) using deletes[i];
+        end if;
+        result := result || top;
+    end loop;
+    return result;
+end $$
+"""
+
+
+def table_names(count: int) -> list[str]:
+    return [f"t{i:03d}" for i in range(count)]
+
+
+def create_tables(dsn: str, names: list[str]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        for index, name in enumerate(names):
+            shape = index % 3
+            ddl = NARROW.format(name=name) if shape == 0 else NOTES.format(name=name) if shape == 1 else wide_ddl(name)
+            connection.execute(ddl)
+            if shape == 2:
+                connection.execute(f"alter table {name} alter column body set storage external")
+        connection.execute(TICK_FUNCTION)
+
+
+def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
+                 batch_wait_seconds: float) -> None:
+    path.write_text(yaml.safe_dump({
+        "application_identifier": APPLICATION,
+        "source": {"dsn": dsn},
+        "queue": {"url": nats_url},
+        "producer": {"flush_interval_seconds": 0.2, "metrics_port": metrics_port, "status_interval_seconds": 0.5},
+        "tables": [{"name": f"public.{name}"} for name in names],
+        "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE}},
+        "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60},
+    }, sort_keys=False))
+
+
+class Writer:
+    """Commits `rate` changes/s over the tables, Zipf-skewed; records each table's greatest
+    inserted id per tick with the commit's wall time."""
+
+    def __init__(self, dsn: str, names: list[str], rate: float, skew: float) -> None:
+        self.dsn, self.names, self.rate = dsn, names, rate
+        order = list(range(len(names)))
+        random.Random(7).shuffle(order)
+        self.weights = [0.0] * len(names)
+        for rank, index in enumerate(order):
+            self.weights[index] = 1.0 / (rank + 1) ** skew
+        self.commits: list[tuple[float, dict[str, int]]] = []  # (commit time, table -> max id inserted)
+        self.changes = 0
+        self.started = 0.0
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="writer", daemon=True)
+
+    def _run(self) -> None:
+        rnd = random.Random(11)
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as connection:
+                self.started = time.monotonic()
+                # First tick: one insert into every table, so that each shows when it streams.
+                self._tick(connection, {i: [1, 0, 0] for i in range(len(self.names))})
+                next_tick = time.monotonic()
+                while not self.stop.is_set():
+                    budget = int(self.rate * TICK_SECONDS)
+                    counts: dict[int, list[int]] = {}
+                    for index in rnd.choices(range(len(self.names)), weights=self.weights, k=budget):
+                        roll = rnd.random()
+                        kind = 0 if roll < 0.7 else 1 if roll < 0.9 else 2
+                        counts.setdefault(index, [0, 0, 0])[kind] += 1
+                    self._tick(connection, counts)
+                    next_tick += TICK_SECONDS
+                    self.stop.wait(max(0.0, next_tick - time.monotonic()))
+        except BaseException as error:  # reported by the main thread
+            self.error = error
+
+    def _tick(self, connection: psycopg.Connection, counts: dict[int, list[int]]) -> None:
+        indexes = sorted(counts)
+        names = [self.names[i] for i in indexes]
+        tops = connection.execute("select bench_tick(%s, %s, %s, %s)",
+                                  (names, [counts[i][0] for i in indexes], [counts[i][1] for i in indexes],
+                                   [counts[i][2] for i in indexes])).fetchone()[0]
+        committed = time.time()
+        self.commits.append((committed, {name: top for name, top in zip(names, tops, strict=True) if top}))
+        self.changes += sum(sum(c) for c in counts.values())
+
+
+class Poller:
+    """Every table's greatest visible id in ClickHouse, one query over them all per poll."""
+
+    def __init__(self, clickhouse_url: str) -> None:
+        host, port = clickhouse_url.rsplit("//", 1)[1].split(":")
+        self._client = clickhouse_connect.get_client(host=host, port=int(port))
+        self.polls: list[tuple[float, dict[str, int]]] = []
+        self.visible: dict[str, int] = {}
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="poller", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(POLL_SECONDS):
+                exists = self._client.query("SELECT count() FROM system.tables WHERE database = {d:String} AND "
+                                            "match(name, '^public__t[0-9]+$')", parameters={"d": DATABASE})
+                if not exists.result_rows[0][0]:
+                    continue
+                rows = self._client.query(f"SELECT _table, max(id) FROM merge('{DATABASE}', '^public__t[0-9]+$') "
+                                          "GROUP BY _table").result_rows
+                seen = {table.removeprefix("public__"): int(top) for table, top in rows}
+                returned = time.time()
+                self.visible = seen
+                self.polls.append((returned, seen))
+        except BaseException as error:
+            self.error = error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self._client.close()
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += children.get(current, [])
+    return found
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+def names_of(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                argv = cmdline.read().split(b"\0")
+            out.append(" ".join(a.decode(errors="replace") for a in argv[:6])[:160])
+        except OSError:
+            continue
+    return out
+
+
+def freshness(writer: Writer, poller: Poller, after: float) -> list[float]:
+    """Commit -> first poll that saw the id, for every (tick, table) insert committed after `after`."""
+    samples = []
+    polls = poller.polls
+    start = 0
+    for committed, tops in writer.commits:
+        if committed < after:
+            continue
+        while start < len(polls) and polls[start][0] < committed:
+            start += 1
+        for table, top in tops.items():
+            for returned, seen in polls[start:]:
+                if seen.get(table, 0) >= top:
+                    samples.append(returned - committed)
+                    break
+    return samples
+
+
+def slot_caught_up(dsn: str, end_lsn: int) -> bool:
+    with psycopg.connect(dsn) as connection:
+        row = connection.execute("select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s",
+                                 (naming.slot_name(APPLICATION),)).fetchone()
+    return bool(row and row[0]) and naming.parse_lsn(row[0]) >= end_lsn
+
+
+def differing_rows(config_path: Path) -> tuple[int, list[str]]:
+    """Rows missing, extra or different in ClickHouse, over every table."""
+    config = load_config(config_path)
+    target = build_target("clickhouse", config)
+    total, problems = 0, []
+    try:
+        with source.connect(config.source.dsn) as connection:
+            for table in config.tables:
+                schema = source.table_schema(connection, table)
+                # Each type's output function, as the producer's session renders it (a `::text` cast
+                # prints a boolean as `true`, its output function as `t`).
+                columns = sql.SQL(", ").join(map(sql.Identifier, schema.column_names))
+                with connection.cursor() as cursor:
+                    cursor.execute(sql.SQL("select {} from {}").format(
+                        columns, sql.Identifier(table.schema_name, table.table_name)))
+                    result = cursor.pgresult
+                    rows = [tuple(None if (v := result.get_value(r, c)) is None else bytes(v).decode()
+                                  for c in range(result.nfields)) for r in range(result.ntuples)]
+                expected = {row[0]: row for row in rows}
+                actual = {row[0]: tuple(row) for row in target.current_rows_as_text(schema)}
+                differ = [key for key in expected.keys() & actual.keys() if expected[key] != actual[key]]
+                bad = len(expected.keys() ^ actual.keys()) + len(differ)
+                if bad:
+                    columns = sorted({schema.column_names[i] for key in differ[:50]
+                                      for i, (a, b) in enumerate(zip(expected[key], actual[key], strict=True))
+                                      if a != b})
+                    example = ""
+                    if differ:
+                        i = schema.column_names.index(columns[0])
+                        example = f"; e.g. {columns[0]} {expected[differ[0]][i]!r} != {actual[differ[0]][i]!r}"
+                    problems.append(f"{table.name}: {bad} rows differ ({len(expected)} at the source, "
+                                    f"{len(actual)} in ClickHouse; columns {columns}{example})")
+                total += bad
+    finally:
+        target.close()
+    return total, problems
+
+
+def counts_match(config_path: Path, names: list[str]) -> bool:
+    config = load_config(config_path)
+    target = build_target("clickhouse", config)
+    try:
+        with source.connect(config.source.dsn) as connection:
+            for name in names:
+                table = TableConfig(name=f"public.{name}")
+                schema = source.table_schema(connection, table)
+                expected = connection.execute(sql.SQL("select count(*) from {}").format(
+                    sql.Identifier("public", name))).fetchone()[0]
+                if target.count_current(schema) != expected:
+                    return False
+        return True
+    except Exception:  # a table not created in the target yet
+        return False
+    finally:
+        target.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tables", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=2000.0, help="changes per second over all tables")
+    parser.add_argument("--seconds", type=float, default=120.0, help="steady phase once every table streams")
+    parser.add_argument("--zipf", type=float, default=1.1, help="skew s: table k gets changes in proportion to 1/k^s")
+    parser.add_argument("--batch-wait-seconds", type=float, default=1.0,
+                        help="streaming.batch_max_wait_seconds: how long a batch collects after its first message")
+    args = parser.parse_args()
+    names = table_names(args.tables)
+    load_before = os.getloadavg()[0]
+    bin_dir = Path(sys.executable).parent
+    with services(nats=True, clickhouse=True) as stack:
+        directory = stack.directory
+        config_path = directory / "siphon.yaml"
+        metrics_port = free_port()
+        write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port,
+                     args.batch_wait_seconds)
+        create_tables(stack.dsn, names)
+        dagster_home = directory / "dagster_home"
+        dagster_home.mkdir()
+        shutil.copy(ROOT / "dagster.yaml", dagster_home / "dagster.yaml")
+        env = {**os.environ, "SIPHON_CONFIG": str(config_path), "DAGSTER_HOME": str(dagster_home),
+               "PYTHONPATH": str(ROOT)}
+        producer = start_process("siphon-producer", [sys.executable, "-m", "producer_service.cli", "run", "--config",
+                                                     str(config_path)], directory / "producer.log", env=env)
+        dagster_pid = None
+        writer = Writer(stack.dsn, names, args.rate, args.zipf)
+        poller = Poller(stack.clickhouse_url)
+        samples: list[tuple[float, float, int]] = []
+        try:
+            def producing() -> bool:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=1) as response:
+                        return response.status == 200
+                except OSError:
+                    return False
+
+            wait_until("producer", producing, 120, pid=producer.pid, log_path=directory / "producer.log")
+            port = free_port()
+            started = time.monotonic()
+            dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-m", "siphon_dagster",
+                                                    "-h", "127.0.0.1", "-p", str(port)],
+                                    directory / "dagster.log", env=env, cwd=dagster_home,
+                                    unset=("DAGSTER_MODULE_NAME",))
+            dagster_pid = dagster.pid
+            writer.thread.start()
+            wait_until("Dagster UI", lambda: port_accepts(port), 180, pid=dagster.pid,
+                       log_path=directory / "dagster.log")
+            ui_seconds = time.monotonic() - started
+
+            def sample() -> None:
+                pids = tree(dagster.pid)
+                samples.append((time.monotonic() - started, rss_mb(pids), len(pids)))
+
+            all_streaming = None
+            while time.monotonic() - started < 300:
+                sample()
+                if len([n for n in names if poller.visible.get(n, 0) >= 1]) == len(names):
+                    all_streaming = time.monotonic() - started
+                    break
+                if writer.error or poller.error:
+                    raise RuntimeError(f"writer: {writer.error}; poller: {poller.error}")
+                time.sleep(SAMPLE_SECONDS)
+            streaming_tables = len([n for n in names if poller.visible.get(n, 0) >= 1])
+            steady_from = time.time()
+            steady_changes = writer.changes
+            steady_started = time.monotonic()
+            while time.monotonic() - steady_started < args.seconds:
+                sample()
+                if writer.error or poller.error:
+                    raise RuntimeError(f"writer: {writer.error}; poller: {poller.error}")
+                time.sleep(SAMPLE_SECONDS)
+            achieved_rate = (writer.changes - steady_changes) / (time.monotonic() - steady_started)
+            writer.stop.set()
+            writer.thread.join(30)
+            fresh = freshness(writer, poller, steady_from)
+            with psycopg.connect(stack.dsn) as connection:
+                end = naming.parse_lsn(connection.execute("select pg_current_wal_lsn()::text").fetchone()[0])
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and not slot_caught_up(stack.dsn, end):
+                time.sleep(1)
+            while time.monotonic() < deadline and not counts_match(config_path, names):
+                sample()
+                time.sleep(2)
+            drained_seconds = time.monotonic() - steady_started - args.seconds
+            differing, problems = differing_rows(config_path)
+            final_pids = tree(dagster.pid)
+            final_names = names_of(final_pids)
+        finally:
+            writer.stop.set()
+            poller.stop()
+            if dagster_pid is not None:
+                leftovers = tree(dagster_pid)
+                stop_pid(dagster_pid, timeout=30)
+                for pid in leftovers:  # run workers that outlived `dagster dev`
+                    stop_pid(pid, timeout=10)
+            stop_pid(producer.pid, timeout=30)
+
+    peak_rss = max(s[1] for s in samples)
+    peak_processes = max(s[2] for s in samples)
+    p95 = statistics.quantiles(fresh, n=20)[-1] if len(fresh) >= 20 else float("nan")
+    p50 = statistics.median(fresh) if fresh else float("nan")
+    figures = {
+        "tables": args.tables, "rate": args.rate, "achieved_rate": achieved_rate,
+        "rss_mb": peak_rss, "processes": peak_processes, "freshness_p50_s": p50, "freshness_p95_s": p95,
+        "all_streaming_s": all_streaming if all_streaming is not None else float("nan"),
+        "streaming_tables": streaming_tables, "rows_differing": differing, "ui_ready_s": ui_seconds,
+        "drain_s": drained_seconds, "load_average_before": load_before,
+    }
+    print("\nprocesses on the Dagster side at the end:")
+    for name in final_names:
+        print(f"  {name}")
+    for problem in problems[:20]:
+        print(f"  {problem}")
+    print_table(f"{args.tables} tables, {args.rate:.0f} changes/s Zipf s={args.zipf}, one `dagster dev` "
+                f"(load average before: {load_before:.1f})", [
+        ("resident memory, Dagster side (MB, peak)", f"{peak_rss:.0f}", f"<= {TARGETS['rss_mb']:.0f}"),
+        ("processes, Dagster side (peak)", f"{peak_processes}", f"<= {TARGETS['processes']}"),
+        ("freshness p50 (s)", f"{p50:.2f}", ""),
+        ("freshness p95 (s)", f"{p95:.2f}", f"<= {TARGETS['freshness_p95_s']:.0f}"),
+        ("every table streaming after (s)", "-" if all_streaming is None else f"{all_streaming:.0f}",
+         f"<= {TARGETS['all_streaming_s']:.0f}"),
+        ("tables streaming", f"{streaming_tables}/{args.tables}", ""),
+        ("changes/s achieved by the writer", f"{achieved_rate:.0f}", f"{args.rate:.0f}"),
+        ("rows differing at the end", f"{differing}", "0"),
+    ])
+    print_json(figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

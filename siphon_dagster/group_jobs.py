@@ -1,0 +1,146 @@
+"""Jobs per (target, streaming group): one run applies every table of the group.
+
+The run is one process (Dagster's in-process executor), one NATS connection, at most one Spark
+session (started on the first batch too large to decode in the process) and one source
+connection; each table keeps its own consumer, asset, materializations and error strategy.
+"""
+
+
+import time
+from typing import Any
+
+import dagster as dg
+
+from siphon_core.config import TableConfig
+from siphon_dagster.run_liveness import WORKER_TAG, in_step_process, stop_when_orphaned, worker_identity
+from siphon_dagster.stream_groups import StreamGroup
+from siphon_dagster.streaming.materializations import AggregatedBatches
+
+
+class GroupRunConfig(dg.Config):
+    """Run config of a group job: `ops: {apply_<target>[__<group>]: {config: {stop_when_drained: true}}}`."""
+
+    stop_when_drained: bool = False
+    # First wait before a failed table is started again within the run; it doubles up to 10 minutes.
+    retry_initial_seconds: float = 15.0
+
+
+def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
+    resource_key = f"{group.target}_target"
+    specs = {spec.qualified_name: spec for spec in group.specs}
+    streaming = group.specs[0].streaming
+
+    @dg.op(
+        name=group.op_name,
+        required_resource_keys={"source", "queue", "spark", resource_key},
+        description=f"Pulls the packages of {len(specs)} tables from JetStream and applies them to {group.target}, "
+                    "each table on its own consumer, acking only what the target committed.",
+    )
+    def _stream(context: dg.OpExecutionContext, config: GroupRunConfig) -> None:
+        from siphon_dagster.streaming.consumer import StreamConsumer
+        from siphon_dagster.streaming.group_run import GroupRunner, TableFailure
+        from siphon_dagster.streaming.materializations import MaterializationLimiter
+        from siphon_dagster.streaming.report import BatchReport
+        from siphon_dagster.streaming.source_rows import SharedSourceRowReader
+
+        limiter = MaterializationLimiter(streaming.materialization_interval_seconds)
+
+        def materialize(aggregate: AggregatedBatches) -> None:
+            spec = specs[aggregate.table]
+            context.log_event(dg.AssetMaterialization(
+                asset_key=spec.target_key(group.target),
+                description=f"applied stream sequences {aggregate.first_sequence}..{aggregate.last_sequence} "
+                            f"in {aggregate.batches} batches",
+                metadata=materialization_metadata(aggregate),
+            ))
+            for warning in aggregate.warnings:
+                context.log.warning(f"{aggregate.table}: {warning}")
+
+        def on_batch(report: BatchReport) -> None:
+            aggregate = limiter.add(report, time.monotonic())
+            if aggregate is not None:
+                materialize(aggregate)
+
+        def on_failure(failure: TableFailure) -> None:
+            spec = specs[failure.table]
+            then = "not retried: the run drains the other tables and fails" if failure.retry_in_seconds is None \
+                else f"started again in {failure.retry_in_seconds:.0f}s (attempt {failure.attempt + 1})"
+            message = f"table {failure.table} (target {group.target}) stopped: {failure.error}; {then}"
+            context.log.error(message)
+            context.log_event(dg.AssetObservation(
+                asset_key=spec.target_key(group.target),
+                description=f"streaming stopped: {type(failure.error).__name__}",
+                metadata={"error": dg.MetadataValue.md(str(failure.error)), "attempt": failure.attempt,
+                          "retry_in_seconds": -1.0 if failure.retry_in_seconds is None
+                          else round(failure.retry_in_seconds, 1),
+                          "run_id": context.run_id},
+            ))
+
+        context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity()})
+        targets: dict[str, Any] = {}
+        source = SharedSourceRowReader(context.resources.source.dsn)
+        queue = context.resources.queue.queue(client_name=f"siphon {group.job_name}")
+        spark = context.resources.spark
+
+        def make_consumer(table: TableConfig) -> StreamConsumer:
+            if table.name not in targets:
+                targets[table.name] = getattr(context.resources, resource_key).open_target()
+            consumer = StreamConsumer(queue=queue, target=targets[table.name], table=table, spark=spark.session,
+                                      streaming=streaming, source=source)
+            if not config.stop_when_drained:  # draining needs exact pending counts and short pulls
+                consumer.idle_pull_seconds = streaming.idle_pull_seconds
+                consumer.exact_pending = False
+            return consumer
+
+        runner = GroupRunner(queue, [spec.table for spec in group.specs], make_consumer, on_batch, on_failure,
+                             retry_initial_seconds=config.retry_initial_seconds,
+                             tick=lambda: [materialize(a) for a in limiter.due(time.monotonic())])
+        started = time.monotonic()
+        context.log.info(f"streaming {len(specs)} tables to {group.target}: {', '.join(group.tables)}")
+        try:
+            if in_step_process():
+                with stop_when_orphaned(runner.stop, context.log.warning):
+                    summary = runner.run(stop_when_drained=config.stop_when_drained)
+            else:
+                summary = runner.run(stop_when_drained=config.stop_when_drained)
+        finally:
+            for aggregate in limiter.flush(time.monotonic()):
+                materialize(aggregate)
+            for target in targets.values():
+                target.close()
+            source.close()
+        batches = sum(s.batches for s in summary.tables.values())
+        events = sum(s.events for s in summary.tables.values())
+        context.log.info(f"{len(specs)} tables, {batches} batches, {events} events in "
+                         f"{time.monotonic() - started:.1f}s")
+        if summary.failed:
+            raise dg.Failure(description="tables that stopped: " + "; ".join(
+                f"{table}: {error}" for table, error in sorted(summary.failed.items())))
+
+    @dg.job(name=group.job_name, tags=group.tags, executor_def=dg.in_process_executor,
+            description=f"Streaming apply of {len(specs)} tables into {group.target} in one run; the streaming "
+                        "sensor keeps one run alive and replaces it when the group's tables change.")
+    def _job() -> None:
+        _stream()
+
+    return _job
+
+
+def materialization_metadata(aggregate: AggregatedBatches) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "applied_lsn": aggregate.applied_lsn_text,
+        "rows_by_operation": dg.MetadataValue.json(aggregate.rows_by_operation),
+        "dagster/row_count": aggregate.rows_applied,
+        "events": aggregate.events,
+        "batches": aggregate.batches,
+        "batches_decoded_in_driver": aggregate.decoded_in_driver,
+        "lag_seconds": round(aggregate.lag_seconds, 3),
+        "lag_max_seconds": round(aggregate.lag_max_seconds, 3),
+        "pending_messages": aggregate.pending,
+        "first_sequence": aggregate.first_sequence,
+        "last_sequence": aggregate.last_sequence,
+        "schema_changed": aggregate.schema_changed,
+    }
+    if aggregate.warnings:
+        metadata["warnings"] = dg.MetadataValue.md("\n".join(f"- {w}" for w in aggregate.warnings))
+    return metadata

@@ -1,0 +1,108 @@
+"""Streaming groups: which tables one streaming run serves, and how its runs are tagged.
+
+One run per (target, group) applies every table of the group (`stream_<target>` for the default
+group, `stream_<target>__<group>` for a group named under `streaming.groups`). Each run is tagged
+with the exact table set it serves, so that the streaming sensor can tell a run started under an
+older configuration and replace it, and so that no two runs ever pull one table's consumer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import dagster as dg
+
+from siphon_core.config import DEFAULT_GROUP, SiphonConfig
+from siphon_dagster.specs import TableSpec
+
+GROUP_TAG = "siphon/stream-group"  # `<target>:<group>`
+TABLES_TAG = "siphon/stream-tables"  # the tables served, comma-separated schema.table names
+TABLES_HASH_TAG = "siphon/stream-tables-hash"  # a digest of that list, compared by the sensor
+APPLICATION_TAG = "siphon/application"
+STREAM_TAG = "siphon/stream"  # `<target>:<schema.table>` on a single-table run (siphon_dagster.jobs)
+
+
+@dataclass(frozen=True)
+class StreamGroup:
+    target: str
+    name: str
+    specs: tuple[TableSpec, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.target}:{self.name}"
+
+    @property
+    def job_name(self) -> str:
+        return f"stream_{self.target}" if self.name == DEFAULT_GROUP else f"stream_{self.target}__{self.name}"
+
+    @property
+    def op_name(self) -> str:
+        return "apply_" + self.job_name.removeprefix("stream_")
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        return tuple(sorted(spec.qualified_name for spec in self.specs))
+
+    @property
+    def tables_hash(self) -> str:
+        return tables_hash(self.tables)
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return {**self.specs[0].tags, GROUP_TAG: self.key, TABLES_TAG: ",".join(self.tables),
+                TABLES_HASH_TAG: self.tables_hash}
+
+
+def tables_hash(tables: tuple[str, ...] | list[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(tables)).encode()).hexdigest()[:16]
+
+
+def served_tables(run: dg.DagsterRun) -> tuple[str, str, set[str]] | None:
+    """(target, group, tables) of a group run, None for any other run."""
+    key = run.tags.get(GROUP_TAG)
+    if key is None:
+        return None
+    target, _, group = key.partition(":")
+    tables = run.tags.get(TABLES_TAG, "")
+    return target, group, set(tables.split(",")) if tables else set()
+
+
+def stream_groups(config: SiphonConfig, specs: list[TableSpec]) -> list[StreamGroup]:
+    """One group per (target, group name) that has at least one table replicated to the target."""
+    members: dict[tuple[str, str], list[TableSpec]] = {}
+    for spec in specs:
+        group = config.streaming.group_of(spec.qualified_name)
+        for target in spec.targets:
+            members.setdefault((target, group), []).append(spec)
+    groups = [StreamGroup(target, name, tuple(tables)) for (target, name), tables in members.items()]
+    table_jobs = {spec.stream_job_name(target): spec.qualified_name for spec in specs for target in spec.targets}
+    for group in groups:
+        if group.job_name in table_jobs:
+            raise ValueError(f"streaming.groups.{group.name}: the group's job {group.job_name} has the name of "
+                             f"table {table_jobs[group.job_name]}'s own job; rename the group")
+    return groups
+
+
+def live_streaming_runs(instance: dg.DagsterInstance, application_tag: str, now: float
+                        ) -> list[tuple[dg.DagsterRun, str | None]]:
+    """The application's in-progress streaming runs (group and single-table), each with why its
+    worker is gone (None: it may be alive)."""
+    from siphon_dagster.run_liveness import IN_PROGRESS, dead_run_reason
+
+    records = instance.get_run_records(dg.RunsFilter(statuses=IN_PROGRESS, tags={APPLICATION_TAG: application_tag}),
+                                       limit=1000)
+    return [(r.dagster_run, dead_run_reason(r.dagster_run, r.start_time, now)) for r in records
+            if GROUP_TAG in r.dagster_run.tags or STREAM_TAG in r.dagster_run.tags]
+
+
+def group_runs_serving(instance: dg.DagsterInstance, application_tag: str, target: str, table: str, now: float,
+                       exclude_run_id: str | None = None) -> list[dg.DagsterRun]:
+    """Live group runs that apply `table` to `target`."""
+    serving = []
+    for run, dead in live_streaming_runs(instance, application_tag, now):
+        served = served_tables(run)
+        if dead is None and run.run_id != exclude_run_id and served and served[0] == target and table in served[2]:
+            serving.append(run)
+    return serving

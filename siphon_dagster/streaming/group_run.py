@@ -1,0 +1,164 @@
+"""`GroupRunner`: the streaming apply loops of many tables in one process and one event loop.
+
+Each table keeps its own `StreamConsumer` (its durable JetStream consumer, micro-batches, error
+strategy and acks); they share the run's NATS connection, Spark session and source connection.
+A quiet table costs one pull request waiting on its subject. A table whose consumer stops with an
+error (on_error: stop, a schema change the target cannot follow) stops alone: it is reported and
+started again with exponential backoff, while the other tables go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+
+from siphon_core.config import TableConfig
+from siphon_core.logs import get_logger
+from siphon_core.queue import JetStreamQueue
+from siphon_dagster.streaming.consumer import StreamConsumer
+from siphon_dagster.streaming.report import BatchReport, RunSummary
+
+_log = get_logger("streaming.group")
+
+
+@dataclass(frozen=True)
+class TableFailure:
+    table: str  # schema.table
+    error: BaseException
+    attempt: int
+    retry_in_seconds: float | None  # None: not retried (the run drains and ends)
+
+
+@dataclass
+class GroupSummary:
+    tables: dict[str, RunSummary] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # table -> last error, for tables that ended failed
+
+
+class GroupRunner:
+    """Runs `make_consumer(table)` for every table concurrently until `stop()` (or, with
+    `stop_when_drained`, until every table's queue is empty)."""
+
+    def __init__(self, queue: JetStreamQueue, tables: Sequence[TableConfig],
+                 make_consumer: Callable[[TableConfig], StreamConsumer],
+                 on_batch: Callable[[BatchReport], None], on_failure: Callable[[TableFailure], None],
+                 retry_initial_seconds: float = 15.0, retry_max_seconds: float = 600.0,
+                 tick: Callable[[], None] | None = None, tick_seconds: float = 5.0) -> None:
+        self.queue = queue
+        self.tables = list(tables)
+        self.make_consumer = make_consumer
+        self.on_batch = on_batch
+        self.on_failure = on_failure
+        self.retry_initial_seconds = retry_initial_seconds
+        self.retry_max_seconds = retry_max_seconds
+        self.tick = tick  # called every `tick_seconds` on the loop (e.g. due materializations)
+        self.tick_seconds = tick_seconds
+        self._stopping = threading.Event()
+        self._stopped: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._consumers: dict[str, StreamConsumer] = {}
+
+    def stop(self) -> None:
+        """Asks every table to return after its batch in progress; callable from any thread."""
+        self._stopping.set()
+        for consumer in list(self._consumers.values()):
+            consumer.stop()
+        if self._loop is not None and self._stopped is not None:
+            self._loop.call_soon_threadsafe(self._stopped.set)
+
+    def run(self, stop_when_drained: bool = False) -> GroupSummary:
+        return asyncio.run(self.run_async(stop_when_drained))
+
+    async def run_async(self, stop_when_drained: bool = False) -> GroupSummary:
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        if self._stopping.is_set():
+            self._stopped.set()
+        summary = GroupSummary()
+        await self.queue.connect()
+        try:
+            await self.queue.ensure_stream()
+            ticker = asyncio.create_task(self._tick()) if self.tick is not None else None
+            try:
+                await asyncio.gather(*(self._serve(table, stop_when_drained, summary) for table in self.tables))
+            finally:
+                if ticker is not None:
+                    ticker.cancel()
+        finally:
+            await self.queue.close()
+        return summary
+
+    async def _serve(self, table: TableConfig, stop_when_drained: bool, summary: GroupSummary) -> None:
+        """One table's consumer, started again after a failure with exponential backoff; with
+        `stop_when_drained` a failure is reported and not retried."""
+        totals = summary.tables.setdefault(table.name, RunSummary())
+
+        def report(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome else None
+            wait = state.next_action.sleep if state.next_action else None
+            self.on_failure(TableFailure(table.name, error, state.attempt_number, wait))
+
+        retrying = AsyncRetrying(
+            wait=wait_exponential(multiplier=self.retry_initial_seconds, max=self.retry_max_seconds),
+            retry=retry_if_exception_type(Exception),
+            before_sleep=report,
+            sleep=self._sleep,
+            reraise=True,
+        )
+        if stop_when_drained:
+            try:
+                await self._stream(table, True, totals)
+            except Exception as error:
+                summary.failed[table.name] = str(error)
+                self.on_failure(TableFailure(table.name, error, 1, None))
+            return
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if self._stopping.is_set():
+                        return
+                    await self._stream(table, False, totals)
+        except _Stopping:
+            return
+
+    async def _stream(self, table: TableConfig, stop_when_drained: bool, totals: RunSummary) -> None:
+        consumer = self.make_consumer(table)
+        self._consumers[table.name] = consumer
+        if self._stopping.is_set():
+            consumer.stop()
+        try:
+            await consumer.run_async(stop_when_drained=stop_when_drained, on_batch=lambda r: self._batch(r, totals))
+        finally:
+            self._consumers.pop(table.name, None)
+
+    def _batch(self, report: BatchReport, totals: RunSummary) -> None:
+        totals.add(report)
+        self.on_batch(report)
+
+    async def _sleep(self, seconds: float) -> None:
+        """The backoff's wait, cut short when the run stops (the next attempt then returns)."""
+        assert self._stopped is not None
+        try:
+            await asyncio.wait_for(self._stopped.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+        if self._stopping.is_set():
+            raise _Stopping
+
+    async def _tick(self) -> None:
+        assert self.tick is not None
+        while True:
+            await asyncio.sleep(self.tick_seconds)
+            try:
+                self.tick()
+            except Exception as error:  # reporting must not end the run
+                _log.warning("periodic report failed", error=str(error))
+
+
+class _Stopping(Exception):
+    """The run stopped during a table's backoff."""
+

@@ -1,0 +1,142 @@
+"""Group runs end to end: many tables in one streaming run, through Dagster, against real NATS,
+PostgreSQL (the source catalog) and the embedded ClickHouse server; and the driver's decode of a
+small batch against Spark's."""
+
+from __future__ import annotations
+
+import threading
+
+import dagster as dg
+import pytest
+from pyspark.sql import SparkSession
+
+from siphon_core.config import StreamingConfig, TableConfig, parse_config
+from siphon_dagster.definitions import build_definitions, build_resources
+from siphon_dagster.streaming.consumer import StreamConsumer
+from siphon_dagster.streaming.group_run import GroupRunner, TableFailure
+from siphon_dagster.streaming.report import BatchReport
+from siphon_dagster.streaming.schema import table_schema
+from siphon_dagster.streaming.spark_session import get_spark_session
+from tests.integration.test_streaming_consumer import (
+    STORY,
+    STORY_ROWS,
+    make_target,
+    notes_schema,
+    publish,
+    queue,
+)
+from tests.unit.test_streaming_packages import NOTES, insert, package
+
+
+@pytest.fixture(scope="module")
+def spark() -> SparkSession:
+    return get_spark_session()
+
+
+def rows_of(target, name: str):
+    return target.current_rows_as_text(table_schema("public", name, NOTES))
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 30], ids=["spark", "driver"])
+def test_small_batches_decoded_in_the_driver_give_the_rows_spark_gives(request, nats_url, spark: SparkSession,
+                                                                        unique_name, threshold):
+    target = make_target(request, "clickhouse", unique_name)
+    publish(nats_url, unique_name, STORY)
+    streaming = StreamingConfig(batch_max_messages=3, batch_max_wait_seconds=0.3, driver_decode_max_bytes=threshold)
+    reports: list[BatchReport] = []
+    StreamConsumer(queue(nats_url, unique_name), target, TableConfig(name="public.notes"), spark,
+                   streaming).run(stop_when_drained=True, on_batch=reports.append)
+    # The story's unchanged TOASTed values are filled from the batch history and the target: both
+    # paths decode it (the driver path reads the history in the driver too).
+    assert target.current_rows_as_text(notes_schema()) == STORY_ROWS
+    assert [r.decoded_in_driver for r in reports] == [threshold > 0] * len(reports)
+    target.close()
+
+
+def group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, tables, interval=60.0):
+    return parse_config({
+        "application_identifier": unique_name,
+        "source": {"dsn": postgres_dsn},
+        "queue": {"url": nats_url},
+        "tables": [{"name": f"public.{name}"} for name in tables],
+        "targets": {"clickhouse": {"url": clickhouse_url, "database": unique_name}},
+        "streaming": {"batch_max_wait_seconds": 0.3, "materialization_interval_seconds": interval},
+    })
+
+
+def test_a_failing_table_stops_alone_and_the_others_of_the_run_converge(request, nats_url, postgres_dsn,
+                                                                        clickhouse_url, unique_name):
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["notes", "ones", "bad"])
+    publish(nats_url, unique_name, STORY)
+    publish(nats_url, unique_name, [package([insert(0x200 + i, str(i), f"one {i}", str(i))], table="ones")
+                                    for i in range(5)], table="ones")
+    bad = publish(nats_url, unique_name, [package([insert(0x1A0, "1", b"\xff not UTF-8", "1")], table="bad")],
+                  table="bad")
+    defs = build_definitions(config)
+    job = defs.resolve_job_def("stream_clickhouse")
+    with dg.instance_for_test() as instance:
+        result = job.execute_in_process(instance=instance, raise_on_error=False,
+                                        run_config={"ops": {"apply_clickhouse": {"config": {"stop_when_drained": True}}}})
+        # The run ends failed, naming the table that stopped, after the other tables drained.
+        assert not result.success
+        failure = result.failure_data_for_node("apply_clickhouse").error.message
+        assert "public.bad" in failure and "not valid UTF-8" in failure
+        events = [e.dagster_event for e in instance.all_logs(result.run_id) if e.dagster_event is not None]
+        materialized = {e.asset_key.to_user_string() for e in events if e.is_step_materialization}
+        assert materialized == {"clickhouse/public/notes", "clickhouse/public/ones"}
+        observed = [e.event_specific_data.asset_observation for e in events
+                    if e.event_type == dg.DagsterEventType.ASSET_OBSERVATION]
+        [observation] = [o for o in observed if o.asset_key.to_user_string() == "clickhouse/public/bad"]
+        error = observation.metadata["error"].value
+        assert f"cannot apply stream sequences {bad[0]}-{bad[0]}" in error and "not valid UTF-8" in error
+        errors = [e.message for e in instance.all_logs(result.run_id) if e.level >= 40]
+        assert any("table public.bad (target clickhouse) stopped" in m for m in errors)
+    target = build_resources(config)["clickhouse_target"].open_target()
+    try:
+        assert target.current_rows_as_text(notes_schema()) == STORY_ROWS
+        assert rows_of(target, "ones") == [(str(i), f"one {i}", str(i)) for i in range(5)]
+    finally:
+        target.close()
+
+
+def test_a_failed_table_is_started_again_with_backoff_while_the_others_stream(request, nats_url, postgres_dsn,
+                                                                            clickhouse_url, unique_name):
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["notes", "bad"])
+    publish(nats_url, unique_name, [package([insert(0x1A0, "1", b"\xff", "1")], table="bad")], table="bad")
+    publish(nats_url, unique_name, STORY)
+    resources = build_resources(config)
+    failures: list[TableFailure] = []
+    reports: list[BatchReport] = []
+    targets = {}
+    shared = resources["queue"].queue()
+
+    def make_consumer(table: TableConfig) -> StreamConsumer:
+        target = targets.setdefault(table.name, resources["clickhouse_target"].open_target())
+        made = StreamConsumer(shared, target, table, lambda: pytest.fail("no Spark for small batches"),
+                              config.streaming, source=None)
+        made.idle_pull_seconds = 0.5
+        return made
+
+    runner = GroupRunner(shared, [t for t in config.tables], make_consumer, reports.append, failures.append,
+                         retry_initial_seconds=0.2, retry_max_seconds=0.5)
+    done = threading.Event()
+
+    def stop_when_seen() -> None:
+        # Stops once the good table converged and the bad one failed at least three times.
+        while not done.wait(0.2):
+            if len(failures) >= 3 and sum(r.events for r in reports) == 12:
+                runner.stop()
+                return
+
+    watcher = threading.Thread(target=stop_when_seen, daemon=True)
+    watcher.start()
+    try:
+        summary = runner.run()
+    finally:
+        done.set()
+    assert {f.table for f in failures} == {"public.bad"}
+    assert [f.attempt for f in failures[:3]] == [1, 2, 3] and all(f.retry_in_seconds for f in failures)
+    assert summary.tables["public.notes"].events == 12
+    assert targets["public.notes"].current_rows_as_text(notes_schema()) == STORY_ROWS
+    for target in targets.values():
+        target.close()

@@ -1,0 +1,110 @@
+"""Streaming groups: configuration checks, the groups and job names built from them, and the
+materialization rate limiter."""
+
+import pytest
+
+from siphon_core.config import ConfigError, parse_config
+from siphon_dagster.specs import table_specs
+from siphon_dagster.stream_groups import stream_groups, tables_hash
+from siphon_dagster.streaming.materializations import MaterializationLimiter
+from siphon_dagster.streaming.report import BatchReport
+
+BASE = {
+    "application_identifier": "shop",
+    "source": {"dsn": "postgresql://siphon@127.0.0.1:5432/app"},
+    "tables": [{"name": "public.notes"}, {"name": "public.events"}, {"name": "audit.log", "targets": ["clickhouse"]}],
+    "targets": {"clickhouse": {"url": "http://127.0.0.1:8123"},
+                "snowflake": {"account": "a", "user": "u"}},
+}
+
+
+def with_groups(groups):
+    return parse_config({**BASE, "streaming": {"groups": groups}})
+
+
+def test_without_groups_every_table_is_in_one_run_per_target():
+    config = with_groups({})
+    groups = {g.job_name: g.tables for g in stream_groups(config, table_specs(config))}
+    assert groups == {"stream_clickhouse": ("audit.log", "public.events", "public.notes"),
+                      "stream_snowflake": ("public.events", "public.notes")}
+
+
+def test_a_named_group_takes_its_tables_out_of_the_default_run():
+    config = with_groups({"hot": ["public.events"]})
+    groups = {g.job_name: (g.op_name, g.tables) for g in stream_groups(config, table_specs(config))}
+    assert groups == {
+        "stream_clickhouse": ("apply_clickhouse", ("audit.log", "public.notes")),
+        "stream_clickhouse__hot": ("apply_clickhouse__hot", ("public.events",)),
+        "stream_snowflake": ("apply_snowflake", ("public.notes",)),
+        "stream_snowflake__hot": ("apply_snowflake__hot", ("public.events",)),
+    }
+
+
+def test_a_group_naming_an_unconfigured_table_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"streaming.groups.hot: table 'public.orders' is not configured"):
+        with_groups({"hot": ["public.orders"]})
+
+
+def test_a_table_in_two_groups_is_refused_naming_both_groups():
+    with pytest.raises(ConfigError, match=r"table 'public.notes' is in both group 'hot' and group 'cold'"):
+        with_groups({"hot": ["public.notes"], "cold": ["public.events", "public.notes"]})
+
+
+@pytest.mark.parametrize("name", ["default", "a-b", "x y"])
+def test_a_group_name_must_be_a_word_other_than_default(name):
+    with pytest.raises(ConfigError, match=f"streaming.groups: .*group '{name}'"):
+        with_groups({name: ["public.notes"]})
+
+
+def test_an_empty_group_is_refused():
+    with pytest.raises(ConfigError, match="group 'hot': name at least one table"):
+        with_groups({"hot": []})
+
+
+def test_the_table_set_digest_ignores_order_and_changes_with_the_set():
+    assert tables_hash(["b.t", "a.t"]) == tables_hash(["a.t", "b.t"]) != tables_hash(["a.t"])
+
+
+def report(table="public.notes", events=1, lsn=10, warnings=(), schema_changed=False, sequence=1):
+    return BatchReport(target="clickhouse", table=table, first_sequence=sequence, last_sequence=sequence, messages=1,
+                       events=events, rows_by_operation={"insert": events}, rows_applied=events, applied_lsn=lsn,
+                       latency_seconds=0.1, lag_oldest_seconds=2.0, lag_newest_seconds=1.0, pending=0,
+                       warnings=tuple(warnings), schema_changed=schema_changed)
+
+
+def test_the_first_batch_is_materialized_then_batches_aggregate_until_the_interval_passes():
+    limiter = MaterializationLimiter(60)
+    first = limiter.add(report(sequence=1), now=0)
+    assert first is not None and first.batches == 1
+    assert limiter.add(report(events=2, lsn=20, sequence=2), now=10) is None
+    assert limiter.add(report(events=3, lsn=15, sequence=3), now=30) is None
+    assert limiter.due(now=59) == []
+    [due] = limiter.due(now=61)
+    assert (due.batches, due.events, due.rows_by_operation, due.applied_lsn) == (2, 5, {"insert": 5}, 20)
+    assert (due.first_sequence, due.last_sequence) == (2, 3)
+    assert limiter.flush(now=62) == []
+
+
+def test_tables_are_limited_independently():
+    limiter = MaterializationLimiter(60)
+    assert limiter.add(report("public.notes"), now=0) is not None
+    assert limiter.add(report("public.events"), now=1) is not None
+    assert limiter.add(report("public.notes"), now=2) is None
+
+
+def test_a_schema_change_or_a_warning_is_materialized_at_once_with_what_came_before():
+    limiter = MaterializationLimiter(60)
+    limiter.add(report(sequence=1), now=0)
+    assert limiter.add(report(sequence=2), now=1) is None
+    changed = limiter.add(report(sequence=3, schema_changed=True), now=2)
+    assert changed is not None and changed.schema_changed and changed.batches == 2
+    warned = limiter.add(report(sequence=4, warnings=["resync needed"]), now=3)
+    assert warned is not None and warned.warnings == ["resync needed"]
+
+
+def test_flush_returns_what_is_left_when_the_run_ends():
+    limiter = MaterializationLimiter(60)
+    limiter.add(report(sequence=1), now=0)
+    limiter.add(report(sequence=2), now=1)
+    [left] = limiter.flush(now=2)
+    assert left.last_sequence == 2
