@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     stack_dir = directory / "stack"
     processes: list[tuple[str, int]] = []
     stop = threading.Event()
-    snapshotting = _Snapshotting()
+    snapshotting = _Commands()
     try:
         print("starting the local stack (PostgreSQL, NATS JetStream, embedded ClickHouse, fakesnow, "
               "Spark Connect)...", flush=True)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
         writer = threading.Thread(target=_write_forever, args=(env["SIPHON_PG_DSN"], args.rate, stop), daemon=True)
         writer.start()
-        loader = threading.Thread(target=_snapshot_everything, args=(config_path, env, directory, stop, snapshotting),
+        loader = threading.Thread(target=_check_when_loaded, args=(config_path, env, directory, stop, snapshotting),
                                   daemon=True)
         loader.start()
         print(f"""
@@ -110,10 +110,11 @@ Siphon demo is running.
   configuration:     {config_path}
   producer log:      {directory / 'producer.log'}
   stack services:    source {stack_dir / 'stack.env'} for SIPHON_PG_DSN, SIPHON_CLICKHOUSE_URL, ...
-  snapshot a table:  SIPHON_CONFIG={config_path} .venv/bin/dagster asset materialize -m siphon_dagster \\
-                       --select clickhouse/public/notes --partition 00000000-00000063
-A workload commits about {args.rate:.0f} transactions per second. Every partition of every table is being
-snapshotted (runs in the UI; log in {directory / 'snapshots.log'}) while the streaming sensor keeps one
+  snapshot a table:  SIPHON_CONFIG={config_path} .venv/bin/siphon-dagster snapshot --table public.notes
+  run the checks:    SIPHON_CONFIG={config_path} .venv/bin/siphon-dagster check
+  rebuild a table:   SIPHON_CONFIG={config_path} .venv/bin/siphon-dagster resync --table public.notes
+A workload commits about {args.rate:.0f} transactions per second. The snapshot sensor is loading every
+partition of every table (runs in the UI); the checks run once all are loaded. The streaming sensor keeps one
 streaming run per target alive, serving every table. Press Ctrl-C to stop everything.
 """, flush=True)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -135,8 +136,8 @@ streaming run per target alive, serving every table. Press Ctrl-C to stop everyt
     return 0
 
 
-class _Snapshotting:
-    """The snapshot command running now, so that stopping the demo stops it too (by its pid)."""
+class _Commands:
+    """The command running now, so that stopping the demo stops it too (by its pid)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -147,7 +148,7 @@ class _Snapshotting:
         with self._lock:
             if self._stopped:
                 return
-            process = start_process("dagster asset materialize", argv, log_path, env=env)
+            process = start_process(Path(argv[0]).name, argv, log_path, env=env)
             self._pid = process.pid
         process.wait()
         with self._lock:
@@ -161,26 +162,36 @@ class _Snapshotting:
             stop_pid(pid, timeout=20.0)
 
 
-def _snapshot_everything(config_path: Path, env: dict[str, str], directory: Path, stop: threading.Event,
-                         snapshotting: _Snapshotting) -> None:
-    """The initial load: every partition of every target asset, one asset at a time."""
+def _check_when_loaded(config_path: Path, env: dict[str, str], directory: Path, stop: threading.Event,
+                       commands: _Commands) -> None:
+    """The snapshot sensor loads every table by itself (each partition a run, in the UI); once every
+    partition of every target asset is there, the checks run once, so that every asset shows them
+    (the `<group>_checks` schedule runs them every hour after that)."""
+    import dagster as dg
+
     from siphon_core.config import load_config
     from siphon_dagster.specs import table_specs
 
+    specs = table_specs(load_config(config_path))
+    instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
+
+    def loaded() -> bool:
+        for spec in specs:
+            keys = set(instance.get_dynamic_partitions(spec.partitions_def_name))
+            for target in spec.targets:
+                if not keys or not keys <= instance.get_materialized_partitions(spec.target_key(target)):
+                    return False
+        return True
+
+    while not stop.wait(15.0):
+        if loaded():
+            break
+    if stop.is_set():
+        return
     bin_dir = Path(sys.executable).parent
-    for spec in table_specs(load_config(config_path)):
-        for target in spec.targets:
-            if stop.is_set():
-                return
-            keys = subprocess.run([str(bin_dir / "siphon-dagster"), "partitions", "list", "--table",
-                                   spec.qualified_name], env=env, capture_output=True, text=True).stdout
-            ranges = [line.strip() for line in keys.splitlines() if line.startswith("  ")]
-            if not ranges:
-                continue
-            selection = "/".join(spec.target_key(target).path)
-            snapshotting.run([str(bin_dir / "dagster"), "asset", "materialize", "-m", "siphon_dagster",
-                              "--select", selection, "--partition-range", f"{ranges[0]}...{ranges[-1]}"],
-                             env, directory / "snapshots.log")
+    commands.run([str(bin_dir / "siphon-dagster"), "check"], env, directory / "checks.log")
+    print(f"every table is loaded; the checks ran (results on each asset's Checks tab, lines in "
+          f"{directory / 'checks.log'})", flush=True)
 
 
 def _write_forever(dsn: str, rate: float, stop: threading.Event) -> None:
