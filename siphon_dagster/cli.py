@@ -14,9 +14,11 @@ import shlex
 import sys
 
 import dagster as dg
+import psycopg
 
 from siphon_core import naming
 from siphon_core.config import ConfigError, SiphonConfig, load_config, load_config_from_environment
+from siphon_core.redaction import redact_dsn
 from siphon_dagster import source
 from siphon_dagster.cli_runs import RUN_COMMANDS, add_run_commands, run_command  # snapshot, resync, repair
 from siphon_dagster.sensors import partition_requests
@@ -65,8 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         return _drop_target_table(config, specs[0], args.target)
     instance = dg.DagsterInstance.get()
     if args.action == "refresh":
-        with source.connect(config.source.conninfo(), autocommit=True) as connection:
-            requests, _ = partition_requests(instance, connection, specs)
+        try:
+            with source.connect(config.source.conninfo(), autocommit=True) as connection:
+                requests, _ = partition_requests(instance, connection, specs)
+        except source.SourceError as error:
+            print(f"siphon-dagster: {error}", file=sys.stderr)
+            return 2
+        except psycopg.OperationalError as error:
+            print(f"siphon-dagster: cannot reach the source at {redact_dsn(config.source.dsn)}: "
+                  f"{str(error).strip().splitlines()[-1]}", file=sys.stderr)
+            return 1
         for request in requests:
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
         added = sum(len(r.partition_keys) for r in requests)

@@ -4,6 +4,7 @@
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import dagster as dg
 
@@ -24,13 +25,25 @@ from siphon_dagster.stream_groups import (
 )
 
 
-def partition_requests(instance: dg.DagsterInstance, connection, specs: list[TableSpec]
+def partition_requests(instance: dg.DagsterInstance, connection, specs: list[TableSpec],
+                       on_error: Callable[[source_db.SourceError], None] | None = None,
                        ) -> tuple[list[dg.AddDynamicPartitionsRequest], dict[str, int]]:
-    """The ranges missing from the instance for each table, and each table's block count."""
+    """The ranges missing from the instance for each table, and each table's block count.
+
+    A table the source cannot serve (missing, or without a primary key: refused as the producer
+    refuses it) gets no partitions; with `on_error` it is reported there and holds back no other
+    table, without it the error is raised."""
     requests = []
     blocks: dict[str, int] = {}
     for spec in specs:
-        size = source_db.table_size(connection, spec.table)
+        try:
+            source_db.table_schema(connection, spec.table)  # refuses a table without a primary key
+            size = source_db.table_size(connection, spec.table)
+        except source_db.SourceError as error:
+            if on_error is None:
+                raise
+            on_error(error)
+            continue
         blocks[spec.qualified_name] = size.blocks
         existing = instance.get_dynamic_partitions(spec.partitions_def_name)
         keys = missing_keys(existing, size.blocks, spec.table.blocks_per_partition)
@@ -50,7 +63,8 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
     )
     def _partitions(context: dg.SensorEvaluationContext, source: PostgresResource) -> dg.SensorResult:
         with source.connect() as connection:
-            requests, blocks = partition_requests(context.instance, connection, specs)
+            requests, blocks = partition_requests(context.instance, connection, specs,
+                                                  on_error=lambda error: context.log.error(str(error)))
             observations = []
             for spec in specs:
                 try:

@@ -118,3 +118,29 @@ def test_a_snapshot_step_ends_when_its_cli_process_is_killed(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(materialize.pid, signal.SIGKILL)
         log.close()
+
+
+def test_partitions_refresh_answers_a_bad_table_or_an_unreachable_source_in_one_line(
+        tmp_path: Path, postgres_dsn: str, unique_name: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    execute(postgres_dsn, f'create table "{unique_name}_nokey" (id int, body text)')
+
+    def refresh(dsn: str, table: str) -> tuple[int, str]:
+        config = tmp_path / "siphon.yaml"
+        config.write_text(yaml.safe_dump({
+            "application_identifier": unique_name, "source": {"dsn": dsn}, "tables": [{"name": table}],
+            "targets": {"clickhouse": {"url": "http://127.0.0.1:1"}}}))
+        code = cli.main(["--config", str(config), "partitions", "refresh"])
+        return code, capsys.readouterr().err
+
+    code, err = refresh(postgres_dsn, f"public.{unique_name}_missing")
+    assert code == 2 and err.count("\n") == 1 and "not found in the source database" in err
+    code, err = refresh(postgres_dsn, f"public.{unique_name}_nokey")
+    assert code == 2 and err.count("\n") == 1 and "has no primary key" in err
+    with dg.DagsterInstance.get() as instance:
+        from siphon_dagster.partitions import partitions_def_name
+        assert instance.get_dynamic_partitions(partitions_def_name(unique_name, "public", f"{unique_name}_nokey")) == []
+    code, err = refresh("postgresql://siphon:Secret-canary-9@127.0.0.1:1/app", f"public.{unique_name}_nokey")
+    assert code == 1 and err.count("\n") == 1 and "cannot reach the source at host=127.0.0.1 port=1" in err
+    assert "Secret-canary-9" not in err and "Traceback" not in err
