@@ -37,6 +37,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                     "each table on its own consumer, acking only what the target committed.",
     )
     def _stream(context: dg.OpExecutionContext, config: GroupRunConfig) -> None:
+        from siphon_dagster.streaming import metrics as stream_metrics
         from siphon_dagster.streaming.consumer import StreamConsumer
         from siphon_dagster.streaming.group_run import GroupRunner, TableFailure
         from siphon_dagster.streaming.materializations import MaterializationLimiter
@@ -57,6 +58,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 context.log.warning(f"{aggregate.table}: {warning}")
 
         def on_batch(report: BatchReport) -> None:
+            stream_metrics.record_batch(group.target, report.table, report)
             aggregate = limiter.add(report, time.monotonic())
             if aggregate is not None:
                 materialize(aggregate)
@@ -77,6 +79,8 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             ))
 
         context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity()})
+        # /metrics of this run (streaming.metrics_port; 0 serves none): lag, pending, rows per table.
+        stream_metrics.serve(streaming.metrics_port, streaming.metrics_host)
         targets: dict[str, Any] = {}
         source = SharedSourceRowReader(context.resources.source.dsn)
         queue = context.resources.queue.queue(client_name=f"siphon {group.job_name}")

@@ -16,6 +16,7 @@ from siphon_dagster.checks import freshness, row_count, row_parity, schema_parit
 from siphon_dagster.checks.outcome import CheckContext, result, run_guarded
 from siphon_dagster.checks.stream_position import StreamWatch
 from siphon_dagster.specs import TableSpec
+from siphon_dagster.streaming import metrics as stream_metrics
 
 CHECKS = (schema_parity, row_count, row_parity, freshness)
 SEVERITIES = {module.NAME: module.SEVERITY for module in CHECKS}
@@ -67,11 +68,14 @@ def build_table_checks(spec: TableSpec, target: str, config: SiphonConfig) -> dg
         check_context = CheckContext(spec, destination, context.resources.source.dsn, watch, config.checks,
                                      context.instance, secrets)
         selected = {key.name for key in context.selected_asset_check_keys}
+        stream_metrics.serve(config.streaming.metrics_port, config.streaming.metrics_host)
         try:
             for module in CHECKS:
                 if module.NAME not in selected:
                     continue
                 outcome = run_guarded(module.NAME, module.check, check_context, module.SEVERITY)
+                stream_metrics.record_check(naming.asset_path_text(target, spec.schema, spec.name), module.NAME,
+                                            outcome.passed, module.SEVERITY.value)
                 log = context.log.info if outcome.passed else context.log.warning
                 log(f"{naming.asset_path_text(target, spec.schema, spec.name)} {module.NAME}: {outcome.summary}")
                 yield result(module.NAME, check_context, outcome)
