@@ -258,6 +258,7 @@ def _request(spec: TableSpec, target: str, key: str, run_key: str, tags: Mapping
     return dg.RunRequest(
         run_key=run_key,
         asset_selection=[spec.target_key(target)],
+        asset_check_keys=[],  # a partition's load is no occasion for whole-table checks
         partition_key=key,
         # Not the snapshot-run tag: the op sets it with its worker's identity once it holds a pool
         # slot; a run waiting that long for a slot without a worker tag would look dead.

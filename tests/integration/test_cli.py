@@ -105,14 +105,14 @@ def test_a_snapshot_step_ends_when_its_cli_process_is_killed(
                    "the snapshot under way")
         assert materialize.poll() is None, output.read_text()[-3000:]
         children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _children(materialize.pid)}
+        # The snapshot's step, and the asset checks' step Dagster adds (it returns at once).
         steps = [pid for pid, line in children.items() if b"multiprocessing-fork" in line]
-        assert len(steps) == 1, children
-        step = steps[0]
+        assert 1 <= len(steps) <= 2, children
 
         os.kill(materialize.pid, signal.SIGKILL)
         materialize.wait()
 
-        wait_until(lambda: not alive(step), 30, "the orphaned step to end")
+        wait_until(lambda: not any(alive(step) for step in steps), 30, "the orphaned step to end")
         assert not execute(app.dsn, "select 1 from pg_replication_slots where slot_name like 'siphon_snap_%%'")
     finally:
         with contextlib.suppress(ProcessLookupError):
