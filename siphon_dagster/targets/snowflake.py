@@ -58,7 +58,7 @@ class SnowflakeTarget:
         self.database = sql.configured_identifier(config.database)
         self.schema = sql.configured_identifier(config.schema_)
         self._connection: Any = None
-        self._load_stage: str | None = None  # this session's temporary stage, once created
+        self._load_stage: str | None = None  # this connection's temporary stage, once created
         self._statements = 0
         # How the last apply reached the staging table ("stage" or "insert"), and the statements
         # it ran: the streaming report and the benchmarks read them.
@@ -103,7 +103,7 @@ class SnowflakeTarget:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
-            self._load_stage = None  # a temporary stage ends with its session
+            self._load_stage = None  # a temporary stage ends with its connection
 
     def _names(self, table: TableSchema) -> sql.TableNames:
         return sql.TableNames(table=table, database=self.database, schema=self.schema)
@@ -283,7 +283,7 @@ class SnowflakeTarget:
                 files.finish()
             finally:
                 files.abandon()
-        # A COPY that fails leaves its files in the stage, which ends with the session.
+        # A COPY that fails leaves its files in the stage, which ends with the connection.
         results = self._fetch(names, "copying staged files into the stage table",
                               stage.copy_into(staging, names.table, load_stage, directory))
         loaded = sum(int(result[3]) for result in results)
@@ -296,7 +296,7 @@ class SnowflakeTarget:
         return (self.config.account, self.config.user, self.config.role or "", self.database, self.schema)
 
     def _stage_for_load(self, names: sql.TableNames) -> str | None:
-        """This session's temporary stage, created on first use; None when the role may not create
+        """This connection's temporary stage, created on first use; None when the role may not create
         one here (then every load of this process into this schema uses INSERT, said once)."""
         if stage.stage_refused(self._location()):
             return None
