@@ -89,7 +89,7 @@ class SnowflakeTarget:
                 cursor.execute(f"CREATE DATABASE IF NOT EXISTS {sql.quote(self.database)}")
                 schema = f"{sql.quote(self.database)}.{sql.quote(self.schema)}"
                 cursor.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
-                # Temporary stage tables are created unqualified, in the session's current schema.
+                # Temporary stage tables are created unqualified, in the connection's current schema.
                 cursor.execute(f"USE SCHEMA {schema}")
             except SnowflakeError as error:
                 raise TargetError(
