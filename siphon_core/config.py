@@ -352,6 +352,12 @@ class StreamingConfig(_Model):
     driver_decode_max_bytes: int = Field(default=1_000_000, ge=0)
     # How long a quiet table's pull request waits on its subject before it is renewed.
     idle_pull_seconds: float = Field(default=20.0, gt=0)
+    # A group run's budget of batches per second over all its tables: with more busy tables than
+    # batch_max_wait_seconds allows within it, each batch collects longer (up to 5 s) and holds more
+    # changes, since every batch costs the target a statement whatever its size.
+    max_batches_per_second: float = Field(default=50.0, gt=0)
+    # Batches a group run prepares and writes at once (threads waiting on the target and Spark).
+    apply_threads: int = Field(default=16, ge=1, le=256)
 
     @field_validator("groups")
     @classmethod

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import nats
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
+    DeliverPolicy,
+    DiscardPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import NotFoundError
 
 from siphon_core import naming
@@ -53,6 +61,9 @@ class JetStreamQueue:
         self._login = login or QueueLogin(require_tls=url.lower().startswith("tls://"))
         self._nc: nats.NATS | None = None
         self._js: JetStreamContext | None = None
+        # The stream was created or updated on this connection: a run's hundreds of consumers
+        # share the connection, and each asking again would queue hundreds of stream updates.
+        self._stream_ensured = False
 
     @classmethod
     def from_config(cls, config: QueueConfig, application_identifier: str, name: str = "siphon") -> JetStreamQueue:
@@ -99,6 +110,7 @@ class JetStreamQueue:
                              "refusing it")
         self._nc = client
         self._js = self._nc.jetstream(timeout=10.0)
+        self._stream_ensured = False
 
     @property
     def is_connected(self) -> bool:
@@ -111,7 +123,13 @@ class JetStreamQueue:
         return self._js
 
     async def ensure_stream(self) -> None:
-        """Creates the application's stream, or updates its subjects and limits."""
+        """Creates the application's stream, or updates its subjects and limits; once per connection."""
+        if self._stream_ensured:
+            return
+        await self._ensure_stream()
+        self._stream_ensured = True
+
+    async def _ensure_stream(self) -> None:
         config = StreamConfig(
             name=self.settings.stream,
             subjects=self.settings.subjects,
@@ -184,7 +202,8 @@ class JetStreamQueue:
         return found
 
     async def ensure_consumer(self, durable: str, subject: str, ack_wait_seconds: float = 300.0,
-                              max_ack_pending: int = 10_000) -> None:
+                              max_ack_pending: int = 10_000) -> ConsumerInfo:
+        """The durable consumer's info, the consumer created first when it does not exist."""
         config = ConsumerConfig(
             durable_name=durable,
             filter_subject=subject,
@@ -195,12 +214,16 @@ class JetStreamQueue:
             max_deliver=-1,
         )
         try:
-            await self.js.consumer_info(self.settings.stream, durable)
+            return await self.js.consumer_info(self.settings.stream, durable)
         except NotFoundError:
-            await self.js.add_consumer(self.settings.stream, config)
+            return await self.js.add_consumer(self.settings.stream, config)
 
     async def pull_subscription(self, durable: str, subject: str) -> JetStreamContext.PullSubscription:
         await self.ensure_consumer(durable, subject)
+        return await self.bind(durable)
+
+    async def bind(self, durable: str) -> JetStreamContext.PullSubscription:
+        """A pull subscription on an existing durable consumer."""
         return await self.js.pull_subscribe_bind(durable=durable, stream=self.settings.stream)
 
     async def pending(self, durable: str) -> int:
@@ -216,6 +239,7 @@ class JetStreamQueue:
                 await self._nc.close()
         self._nc = None
         self._js = None
+        self._stream_ensured = False
 
 
 # -- positions, for the checks (siphon_dagster.checks) -------------------------------------------

@@ -41,6 +41,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         from siphon_dagster.streaming.consumer import StreamConsumer
         from siphon_dagster.streaming.group_run import GroupRunner, TableFailure
         from siphon_dagster.streaming.materializations import MaterializationLimiter
+        from siphon_dagster.streaming.pace import BatchPace
         from siphon_dagster.streaming.report import BatchReport
         from siphon_dagster.streaming.source_rows import SharedSourceRowReader
 
@@ -96,9 +97,13 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 consumer.exact_pending = False
             return consumer
 
+        # Draining by hand cuts batches at the configured wait: the pace is for a run that keeps up.
+        pace = None if config.stop_when_drained else BatchPace(streaming.batch_max_wait_seconds,
+                                                               streaming.max_batches_per_second)
         runner = GroupRunner(queue, [spec.table for spec in group.specs], make_consumer, on_batch, on_failure,
                              retry_initial_seconds=config.retry_initial_seconds,
-                             tick=lambda: [materialize(a) for a in limiter.due(time.monotonic())])
+                             tick=lambda: [materialize(a) for a in limiter.due(time.monotonic())],
+                             pace=pace, apply_threads=streaming.apply_threads)
         started = time.monotonic()
         context.log.info(f"streaming {len(specs)} tables to {group.target}: {', '.join(group.tables)}")
         try:

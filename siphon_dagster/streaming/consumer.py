@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.api import ConsumerInfo, DeliverPolicy
 from pyspark.sql import SparkSession
 
 from siphon_core import naming
@@ -79,6 +78,10 @@ class StreamConsumer:
         # had not delivered then) instead of a consumer-info request per batch; a group run's
         # hundreds of tables then send no request per batch beyond pull and ack.
         self.exact_pending = True
+        # A group run paces its tables: how long a batch collects after its first message, and a
+        # gate that lets a few consumers at a time set themselves up (each costs JetStream requests).
+        self.batch_wait: Callable[[], float] | None = None
+        self.setup_gate: asyncio.Semaphore | None = None
         self._last_schema: object = None
         self._stopping = threading.Event()
 
@@ -99,10 +102,11 @@ class StreamConsumer:
         if owns_connection:
             await self.queue.connect()
         try:
-            await self.queue.ensure_stream()
-            await self._rewind_if_interrupted()
-            subscription = await self.queue.pull_subscription(self.durable, self.subject)
-            progress = asyncio.create_task(self._mark_in_progress(await self._progress_interval()))
+            async with self.setup_gate or contextlib.nullcontext():
+                await self.queue.ensure_stream()
+                info = await self._rewind_if_interrupted(await self.queue.ensure_consumer(self.durable, self.subject))
+                subscription = await self.queue.bind(self.durable)
+            progress = asyncio.create_task(self._mark_in_progress(self._progress_interval(info)))
             try:
                 await self._loop(subscription, summary, stop_when_drained, max_batches, on_batch)
             finally:
@@ -184,15 +188,12 @@ class StreamConsumer:
             raise
         return following, asyncio.create_task(self._pull(subscription)) if pull_more else None
 
-    async def _rewind_if_interrupted(self) -> None:
-        """Replays from the ack floor when a previous run left messages unacknowledged."""
-        js = self.queue.js
-        try:
-            info = await js.consumer_info(self.queue.settings.stream, self.durable)
-        except NotFoundError:
-            return
+    async def _rewind_if_interrupted(self, info: ConsumerInfo) -> ConsumerInfo:
+        """Replays from the ack floor when a previous run left messages unacknowledged; the
+        consumer's info, as it is now."""
         if not info.num_ack_pending:
-            return
+            return info
+        js = self.queue.js
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
         config = dataclasses.replace(info.config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                      opt_start_seq=floor + 1)
@@ -200,13 +201,15 @@ class StreamConsumer:
                      table=self.table.name, target=self.target.name, unacknowledged=info.num_ack_pending,
                      from_sequence=floor + 1)
         await js.delete_consumer(self.queue.settings.stream, self.durable)
-        await js.add_consumer(self.queue.settings.stream, config)
+        return await js.add_consumer(self.queue.settings.stream, config)
 
     async def _pull(self, subscription: JetStreamContext.PullSubscription) -> list[Msg]:
-        """Up to batch_max_messages / batch_max_bytes, waiting at most batch_max_wait_seconds."""
+        """Up to batch_max_messages / batch_max_bytes, waiting at most batch_max_wait_seconds (or
+        the group run's pace) after the first message."""
         limits = self.streaming
+        wait = self.batch_wait() if self.batch_wait is not None else limits.batch_max_wait_seconds
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + limits.batch_max_wait_seconds
+        deadline = loop.time() + wait
         messages: list[Msg] = []
         size = 0
         if self.idle_pull_seconds is not None:
@@ -216,7 +219,7 @@ class StreamConsumer:
                 return []
             size = sum(len(m.data) for m in messages)
             self._unacked.update((id(m), m) for m in messages)
-            deadline = loop.time() + limits.batch_max_wait_seconds
+            deadline = loop.time() + wait
         while len(messages) < limits.batch_max_messages and size < limits.batch_max_bytes:
             remaining = deadline - loop.time()
             if remaining < 0.01:
@@ -231,10 +234,9 @@ class StreamConsumer:
             self._unacked.update((id(m), m) for m in got)
         return messages
 
-    async def _progress_interval(self) -> float:
+    def _progress_interval(self, info: ConsumerInfo) -> float:
         if self.progress_interval_seconds is not None:
             return self.progress_interval_seconds
-        info = await self.queue.js.consumer_info(self.queue.settings.stream, self.durable)
         return max(1.0, float(info.config.ack_wait or 30.0) * _PROGRESS_SHARE_OF_ACK_WAIT)
 
     async def _mark_in_progress(self, interval: float) -> None:

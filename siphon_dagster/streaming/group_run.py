@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
@@ -20,6 +21,7 @@ from siphon_core.config import TableConfig
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue
 from siphon_dagster.streaming.consumer import StreamConsumer
+from siphon_dagster.streaming.pace import BatchPace
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 
 _log = get_logger("streaming.group")
@@ -47,7 +49,8 @@ class GroupRunner:
                  make_consumer: Callable[[TableConfig], StreamConsumer],
                  on_batch: Callable[[BatchReport], None], on_failure: Callable[[TableFailure], None],
                  retry_initial_seconds: float = 15.0, retry_max_seconds: float = 600.0,
-                 tick: Callable[[], None] | None = None, tick_seconds: float = 5.0) -> None:
+                 tick: Callable[[], None] | None = None, tick_seconds: float = 5.0,
+                 pace: BatchPace | None = None, apply_threads: int = 16, setup_concurrency: int = 8) -> None:
         self.queue = queue
         self.tables = list(tables)
         self.make_consumer = make_consumer
@@ -61,6 +64,12 @@ class GroupRunner:
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._consumers: dict[str, StreamConsumer] = {}
+        self.pace = pace  # None: every table's batch collects batch_max_wait_seconds
+        # Batches are prepared and written on threads (the target's statements wait on the network);
+        # asyncio's default pool of a few threads would queue hundreds of tables behind each other.
+        self.apply_threads = apply_threads
+        self.setup_concurrency = setup_concurrency
+        self._setup_gate: asyncio.Semaphore | None = None
 
     def stop(self) -> None:
         """Asks every table to return after its batch in progress; callable from any thread."""
@@ -75,6 +84,8 @@ class GroupRunner:
 
     async def run_async(self, stop_when_drained: bool = False) -> GroupSummary:
         self._loop = asyncio.get_running_loop()
+        self._loop.set_default_executor(ThreadPoolExecutor(self.apply_threads, thread_name_prefix="siphon-apply"))
+        self._setup_gate = asyncio.Semaphore(self.setup_concurrency)
         self._stopped = asyncio.Event()
         if self._stopping.is_set():
             self._stopped.set()
@@ -127,6 +138,9 @@ class GroupRunner:
 
     async def _stream(self, table: TableConfig, stop_when_drained: bool, totals: RunSummary) -> None:
         consumer = self.make_consumer(table)
+        consumer.setup_gate = self._setup_gate
+        if self.pace is not None:
+            consumer.batch_wait = self.pace.wait_seconds
         self._consumers[table.name] = consumer
         if self._stopping.is_set():
             consumer.stop()
@@ -136,6 +150,8 @@ class GroupRunner:
             self._consumers.pop(table.name, None)
 
     def _batch(self, report: BatchReport, totals: RunSummary) -> None:
+        if self.pace is not None:
+            self.pace.record(report.table)
         totals.add(report)
         self.on_batch(report)
 

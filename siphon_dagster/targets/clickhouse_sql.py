@@ -133,12 +133,16 @@ def create_view(names: TableNames) -> str:
     )
 
 
-def create_stage(stage: str, table: TableSchema) -> str:
+# The external table a change batch is sent as, beside the statement that inserts it.
+BATCH_TABLE = "_siphon_batch"
+
+
+def stage_structure(table: TableSchema) -> str:
+    """The columns of a change batch as staged: the values as text, the version as text (ClickHouse
+    parses it as UInt128), the delete flag."""
     columns = [f"{quote(stage_column(i))} Nullable(String)" for i in range(len(table.columns))]
     columns += [f"{quote(STAGE_VERSION)} String", f"{quote(STAGE_DELETED)} UInt8"]
-    # A micro-batch (bounded by batch_max_bytes) is read once, right away: held in memory, it is
-    # never compressed into a part on disk only to be read back.
-    return f"CREATE TABLE {stage} ({', '.join(columns)}) ENGINE = Memory"
+    return ", ".join(columns)
 
 
 def create_text_stage(stage: str, table: TableSchema) -> str:
