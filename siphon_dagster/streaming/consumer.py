@@ -43,6 +43,7 @@ from siphon_dagster.targets.base import Target
 _log = get_logger("streaming.consumer")
 _FETCH_STEP = 64  # messages per pull request: bounds how far a batch overshoots its byte limit
 _PROGRESS_SHARE_OF_ACK_WAIT = 1 / 3  # in-progress marks are sent this often, as a share of the ack wait
+_ACK_CONFIRM_SECONDS = 30.0  # how long the last ack of a batch waits for the server's confirmation
 
 
 class StreamConsumer:
@@ -388,7 +389,8 @@ async def _ack(messages: Sequence[Msg]) -> None:
         return
     for message in unique[:-1]:
         await message.ack()
-    await unique[-1].ack_sync()
+    # nats-py waits 1 s by default: a busy server or run would fail an applied batch for nothing.
+    await unique[-1].ack_sync(timeout=_ACK_CONFIRM_SECONDS)
 
 
 __all__ = ["BatchReport", "RetryPolicy", "RunSummary", "StreamApplyError", "StreamConsumer"]

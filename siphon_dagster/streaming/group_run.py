@@ -58,7 +58,7 @@ class GroupRunner:
         self.on_failure = on_failure
         self.retry_initial_seconds = retry_initial_seconds
         self.retry_max_seconds = retry_max_seconds
-        self.tick = tick  # called every `tick_seconds` on the loop (e.g. due materializations)
+        self.tick = tick  # called every `tick_seconds` (e.g. due materializations), on the reporting thread
         self.tick_seconds = tick_seconds
         self._stopping = threading.Event()
         self._stopped: asyncio.Event | None = None
@@ -70,6 +70,9 @@ class GroupRunner:
         self.apply_threads = apply_threads
         self.setup_concurrency = setup_concurrency
         self._setup_gate: asyncio.Semaphore | None = None
+        # Reports (Dagster events, metrics) are written by one thread of their own, in order: an
+        # event log write waits on its storage, and the event loop must never wait with it.
+        self._reporter: ThreadPoolExecutor | None = None
 
     def stop(self) -> None:
         """Asks every table to return after its batch in progress; callable from any thread."""
@@ -90,18 +93,32 @@ class GroupRunner:
         if self._stopping.is_set():
             self._stopped.set()
         summary = GroupSummary()
-        await self.queue.connect()
+        self._reporter = ThreadPoolExecutor(1, thread_name_prefix="siphon-report")
         try:
-            await self.queue.ensure_stream()
-            ticker = asyncio.create_task(self._tick()) if self.tick is not None else None
+            await self.queue.connect()
             try:
-                await asyncio.gather(*(self._serve(table, stop_when_drained, summary) for table in self.tables))
+                await self.queue.ensure_stream()
+                ticker = asyncio.create_task(self._tick()) if self.tick is not None else None
+                try:
+                    await asyncio.gather(*(self._serve(table, stop_when_drained, summary) for table in self.tables))
+                finally:
+                    if ticker is not None:
+                        ticker.cancel()
             finally:
-                if ticker is not None:
-                    ticker.cancel()
+                await self.queue.close()
         finally:
-            await self.queue.close()
+            self._reporter.shutdown(wait=True)  # every report is written before the run returns
         return summary
+
+    def _report(self, callback: Callable[..., None], *args: object) -> None:
+        def run() -> None:
+            try:
+                callback(*args)
+            except Exception as error:  # reporting must not end the run
+                _log.warning("report failed", error=str(error))
+
+        assert self._reporter is not None
+        self._reporter.submit(run)
 
     async def _serve(self, table: TableConfig, stop_when_drained: bool, summary: GroupSummary) -> None:
         """One table's consumer, started again after a failure with exponential backoff; with
@@ -111,7 +128,7 @@ class GroupRunner:
         def report(state: RetryCallState) -> None:
             error = state.outcome.exception() if state.outcome else None
             wait = state.next_action.sleep if state.next_action else None
-            self.on_failure(TableFailure(table.name, error, state.attempt_number, wait))
+            self._report(self.on_failure, TableFailure(table.name, error, state.attempt_number, wait))
 
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=self.retry_initial_seconds, max=self.retry_max_seconds),
@@ -125,7 +142,7 @@ class GroupRunner:
                 await self._stream(table, True, totals)
             except Exception as error:
                 summary.failed[table.name] = str(error)
-                self.on_failure(TableFailure(table.name, error, 1, None))
+                self._report(self.on_failure, TableFailure(table.name, error, 1, None))
             return
         try:
             async for attempt in retrying:
@@ -153,7 +170,7 @@ class GroupRunner:
         if self.pace is not None:
             self.pace.record(report.table)
         totals.add(report)
-        self.on_batch(report)
+        self._report(self.on_batch, report)
 
     async def _sleep(self, seconds: float) -> None:
         """The backoff's wait, cut short when the run stops (the next attempt then returns)."""
@@ -169,10 +186,7 @@ class GroupRunner:
         assert self.tick is not None
         while True:
             await asyncio.sleep(self.tick_seconds)
-            try:
-                self.tick()
-            except Exception as error:  # reporting must not end the run
-                _log.warning("periodic report failed", error=str(error))
+            self._report(self.tick)
 
 
 class _Stopping(Exception):
