@@ -13,6 +13,10 @@ beside COPY of the same table to /dev/null.
    run: one worker taking the partitions one after another, then two at a time (the local
    `siphon_snapshot_clickhouse` pool limit). Dagster's own per-run overhead (launching the run, the event log)
    is not counted. Each load is repeated `--repeat` times; the best is reported.
+   Then the same partitions in one Dagster run, as a backfill from the UI or `siphon-dagster
+   snapshot --partitions all` makes it, with the repository's dagster.yaml: the run reads as many
+   partitions at a time as the pool lets it (its rate is the run's own, from its materialization;
+   the whole command, Dagster's start-up included, is printed beside it).
 4. One partition covering the whole table: the peak RSS of its process must not grow with the range.
 After each load the `_current` view must hold exactly the source's rows. On a shared machine the
 figures move with the load of other processes, so every load is timed from an idle server (the
@@ -47,6 +51,7 @@ from siphon_dagster.snapshot.reader import SnapshotProgress
 from siphon_dagster.snapshot.spool import spooled_range
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
 
+ROOT = Path(__file__).resolve().parent.parent
 TABLE = TableConfig(name="public.notes")
 POOL_LIMIT = 2  # dagster.yaml: concurrency.pools.default_limit, which each `siphon_snapshot_<target>` pool gets
 LOAD_BATCH_ROWS = 250_000
@@ -253,6 +258,54 @@ def wait_for_merges(clickhouse_url: str, timeout: float = 120.0) -> None:
         client.close()
 
 
+@dataclass
+class DagsterRun:
+    rows: int
+    seconds: float  # the run's own load of every range (its materialization's `seconds`)
+    command_seconds: float  # the command, Dagster's start-up and event log included
+    parallel_line: str  # what the run said of its parallel reads
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds
+
+
+def dagster_backfill(stack: object, directory: Path, database: str, blocks_per_partition: int) -> DagsterRun:
+    """Every partition in one Dagster run, as a backfill from the UI (single-run policy) or
+    `siphon-dagster snapshot --partitions all` makes it, with the repository's dagster.yaml (its
+    snapshot pool's limit of 2)."""
+    import dagster as dg
+    import yaml
+
+    config_path = directory / "siphon-dagster.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "application_identifier": "bench.snapshot", "source": {"dsn": stack.dsn},
+        "queue": {"url": stack.nats.url},
+        "tables": [{"name": TABLE.name, "blocks_per_partition": blocks_per_partition}],
+        "targets": {"clickhouse": {"url": stack.clickhouse_url, "database": database}},
+    }))
+    home = directory / "dagster_home_backfill"
+    home.mkdir(exist_ok=True)
+    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
+    env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "siphon_dagster.cli", "--config", str(config_path)]
+    subprocess.run([*command, "partitions", "refresh"], env=env, check=True, capture_output=True)
+    started = time.monotonic()
+    done = subprocess.run([*command, "snapshot", "--table", TABLE.name, "--partitions", "all"], env=env,
+                          capture_output=True, text=True)
+    command_seconds = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the Dagster snapshot run failed:\n{done.stdout}\n{done.stderr}")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        key = dg.AssetKey(["clickhouse", *TABLE.name.split(".")])
+        event = instance.get_latest_materialization_event(key)
+        metadata = event.asset_materialization.metadata
+        (run,) = instance.get_runs()
+        said = [e.user_message for e in instance.all_logs(run.run_id) if "at a time" in (e.user_message or "")]
+    return DagsterRun(int(metadata["dagster/row_count"].value), float(metadata["seconds"].value), command_seconds,
+                      said[0] if said else "read one partition at a time")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=2_000_000)
@@ -262,7 +315,7 @@ def main() -> int:
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
 
-    with services(nats=False, clickhouse=True) as stack:
+    with services(nats=True, clickhouse=True) as stack:
         dsn, clickhouse_pid = stack.dsn, stack.clickhouse_pid or 0
         print(f"loading {args.rows:,} notes rows...", flush=True)
         started = time.monotonic()
@@ -311,6 +364,14 @@ def main() -> int:
                       "current rows verified", flush=True)
         server_rss = peak_rss_mb(clickhouse_pid)
 
+        print("one Dagster run of every partition (a backfill from the UI, `siphon-dagster snapshot`)...", flush=True)
+        wait_for_merges(stack.clickhouse_url)
+        backfill_reference = copy_reference()
+        backfill = dagster_backfill(stack, stack.directory, "bench_snapshot_dagster", args.blocks_per_partition)
+        check_target(Destination(dsn, stack.clickhouse_url, "bench_snapshot_dagster", args.blocks_per_partition), rows)
+        print(f"  {backfill.rows_per_s:,.0f} rows/s ({backfill.parallel_line}), {backfill.command_seconds:.1f}s for "
+              f"the whole command, COPY {backfill_reference:,.0f} rows/s; current rows verified", flush=True)
+
         whole: Run | None = None
         if not args.skip_whole_table:
             destination = Destination(dsn, stack.clickhouse_url, "bench_snapshot_whole", blocks)
@@ -354,6 +415,13 @@ def main() -> int:
         if len(runs[workers]) > 1:
             figures.append(("  every run's ratio (load average)",
                             " ".join(f"{r.ratio:.2f}({r.load_average:.1f})" for r in runs[workers]), ""))
+    figures += [
+        ("one Dagster run of every partition: rows/s", f"{backfill.rows_per_s:,.0f}",
+         f"~ {best[POOL_LIMIT].rows_per_s:,.0f} ({POOL_LIMIT} at a time above)"),
+        ("  how it read them", backfill.parallel_line, ""),
+        ("  the whole command (s), Dagster's start-up included", f"{backfill.command_seconds:.1f}", ""),
+        ("  COPY rows/s just before it", f"{backfill_reference:,.0f}", "reference"),
+    ]
     if whole:
         figures += [
             (f"one partition of all {blocks:,} blocks: rows/s", f"{whole.rows_per_s:,.0f}", ""),
@@ -367,7 +435,8 @@ def main() -> int:
     ]
     print_table("Snapshot of every block range into the embedded ClickHouse vs COPY to /dev/null", figures)
     print_json({"rows_per_s": overall.rows_per_s, "copy_rows_per_s": overall.copy_rows_per_s, "ratio": overall.ratio,
-                "peak_rss_mb": worker_rss, "load_average": overall.load_average})
+                "peak_rss_mb": worker_rss, "load_average": overall.load_average,
+                "dagster_run_rows_per_s": backfill.rows_per_s})
     return 0
 
 

@@ -24,6 +24,7 @@ from siphon_dagster.run_liveness import (
 )
 from siphon_dagster.snapshot.blockers import WaitReport
 from siphon_dagster.snapshot.load import ensure_target_table, load_ranges
+from siphon_dagster.snapshot.pool_slots import extra_slots
 from siphon_dagster.snapshot.reader import SnapshotProgress
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.targets.base import TableSchema
@@ -101,8 +102,8 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
     )
     def _snapshot(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         # One run may cover a range of partitions (CLI --partition-range, or a backfill): each block
-        # range is read under its own temporary slot, one after another, so memory and the time a
-        # snapshot is held stay those of one range.
+        # range is read under its own temporary slot, as many at a time as the pool has slots for
+        # (see snapshot.pool_slots), so memory and the time a snapshot is held stay those of a range.
         # A run killed outright stays STARTED and keeps its pool slot; the partitions sensor fails
         # it once this process is gone, and the daemon then frees the slot.
         context.instance.add_run_tags(context.run_id, {WORKER_TAG: run_worker_identity(), SNAPSHOT_RUN_TAG: "true"})
@@ -114,12 +115,19 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
             context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, {p.bytes / 1e6:,.1f} MB, "
                              f"{p.rows / p.seconds:,.0f} rows/s")
 
+        pool = snapshot_pool(target)
+        step_key = context.get_step_execution_context().step.key
         try:
-            with exit_when_orphaned(context):
+            with exit_when_orphaned(context), \
+                    extra_slots(context.instance, pool, context.run_id, step_key, len(ranges) - 1) as parallel:
+                if parallel > 1:
+                    context.log.info(f"reading {len(ranges)} partitions {parallel} at a time (pool {pool})")
                 summary = load_ranges(source_resource.snapshot_settings(), spec.table, ranges, destination,
                                       ensure=ensure_target_table(destination, target, context.log.warning),
                                       on_progress=report, on_info=context.log.info, on_warning=context.log.warning,
-                                      on_blocked=wait_reporter(context, spec.target_key(target)))
+                                      on_blocked=wait_reporter(context, spec.target_key(target)),
+                                      parallel=parallel, open_destination=getattr(context.resources,
+                                                                                  resource_key).open_target)
         finally:
             destination.close()
         report(summary.progress)

@@ -8,6 +8,7 @@ only. Anything else (SQL, configuration, a wait past its limit) fails at once.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,63 +121,136 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
                 on_progress: Callable[[SnapshotProgress], None] | None = None,
                 on_info: Callable[[str], None] = log.info, on_warning: Callable[[str], None] = log.warning,
                 on_blocked: Callable[[WaitReport], None] | None = None,
-                retry: RetryPolicy = RetryPolicy()) -> LoadSummary:
-    """Loads `ranges` of `table` into `destination` (its resync shadow when `shadow`), one after another.
+                retry: RetryPolicy = RetryPolicy(), parallel: int = 1,
+                open_destination: Callable[[], Target] | None = None) -> LoadSummary:
+    """Loads `ranges` of `table` into `destination` (its resync shadow when `shadow`), `parallel`
+    ranges at a time: each further worker writes through a target of its own from
+    `open_destination` (a target connection carries one statement at a time), and closes it.
 
     `ensure(columns, existing)` runs, with the table locked, whenever the columns read differ from
     those of the range before: it makes the target table follow them (see `ensure_target_table`).
+    A failed range stops the workers from starting more; the ranges already loaded stay loaded.
     """
     summary = LoadSummary()
     ensured: list[TableSchema | None] = [None]
+    ensuring = threading.Lock()  # one worker at a time compares the columns and changes the target
+    counting = threading.Lock()
+    loading: list[SnapshotProgress] = []  # the ranges being read now
 
-    def load_one(block_range: BlockRange) -> None:
-        rows, size = summary.progress.rows, summary.progress.bytes
+    def report(_: SnapshotProgress) -> None:
+        if on_progress is None:
+            return
+        with counting:
+            rows = summary.progress.rows + sum(p.rows for p in loading)
+            size = summary.progress.bytes + sum(p.bytes for p in loading)
+        on_progress(SnapshotProgress(rows, size, summary.progress.started))
+
+    def load_one(block_range: BlockRange, target: Target) -> None:
+        progress = SnapshotProgress()
+        with counting:
+            loading.append(progress)
         try:
             with source.connect(settings.dsn, autocommit=True) as catalog:
 
                 def locked_columns() -> TableSchema:
                     # The table is locked against DDL from here on: the columns read now, from the
                     # current catalog, are the ones the COPY reads.
-                    columns, existing = current_columns(catalog, table)
-                    if columns != ensured[0]:
-                        ensure(columns, existing)
-                        ensured[0] = columns
-                    return columns
+                    with ensuring:
+                        columns, existing = current_columns(catalog, table)
+                        if columns != ensured[0]:
+                            ensure(columns, existing)
+                            ensured[0] = columns
+                        return columns
 
                 with spooled_range(settings.dsn, table.schema_name, table.table_name, block_range, locked_columns,
-                                   summary.progress, on_wait=on_warning, directory=settings.spool_directory,
+                                   progress, on_wait=on_warning, directory=settings.spool_directory,
                                    max_ahead_bytes=settings.spool_max_bytes,
                                    wait_limit_seconds=settings.wait_limit_seconds, on_blocked=on_blocked) as reading:
                     point = naming.format_lsn(reading.consistent_point)
                     on_info(f"reading blocks {block_range.first_block}..{block_range.last_block} of {table.name} "
                             f"as of {point}" + (" into the resync table" if shadow else ""))
-                    destination.apply_copy_text(reading.table, reading.chunks(on_progress=on_progress),
-                                                naming.row_version(reading.consistent_point, 0), shadow=shadow)
-                    summary.consistent_points.append(reading.consistent_point)
-        except BaseException:
-            # Nothing of the failed attempt was applied: its rows do not count.
-            summary.progress.rows, summary.progress.bytes = rows, size
-            raise
+                    target.apply_copy_text(reading.table, reading.chunks(on_progress=report),
+                                           naming.row_version(reading.consistent_point, 0), shadow=shadow)
+            # Only a range applied whole counts: a failed attempt's rows were not applied.
+            with counting:
+                summary.progress.rows += progress.rows
+                summary.progress.bytes += progress.bytes
+                summary.consistent_points.append(reading.consistent_point)
+        finally:
+            with counting:
+                loading.remove(progress)
 
-    def before_retry(state: tenacity.RetryCallState) -> None:
-        summary.retries += 1
-        error = state.outcome.exception() if state.outcome else None
-        on_warning(f"{table.name}: a range lost its connection ({error}); nothing of it was applied, reading it "
-                   f"again in {state.upcoming_sleep:.0f}s (attempt {state.attempt_number + 1} of {retry.attempts})")
-        destination.close()  # the next attempt opens a fresh connection
+    def load_with_retries(block_range: BlockRange, target: Target) -> None:
+        def before_retry(state: tenacity.RetryCallState) -> None:
+            with counting:
+                summary.retries += 1
+            error = state.outcome.exception() if state.outcome else None
+            on_warning(f"{table.name}: a range lost its connection ({error}); nothing of it was applied, reading it "
+                       f"again in {state.upcoming_sleep:.0f}s (attempt {state.attempt_number + 1} of {retry.attempts})")
+            target.close()  # the next attempt opens a fresh connection
 
-    for block_range in ranges:
-        retrying = tenacity.Retrying(
+        tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_connection_failure),
             stop=tenacity.stop_after_attempt(retry.attempts) | tenacity.stop_after_delay(retry.seconds),
             wait=tenacity.wait_exponential(multiplier=retry.first_wait_seconds, min=retry.first_wait_seconds,
                                            max=retry.max_wait_seconds),
             before_sleep=before_retry,
             reraise=True,
-        )
-        retrying(load_one, block_range)
+        )(load_one, block_range, target)
+
+    workers = max(1, min(parallel, len(ranges))) if open_destination is not None else 1
+    if workers == 1:
+        for block_range in ranges:
+            load_with_retries(block_range, destination)
+    else:
+        _in_parallel(ranges, workers, destination, open_destination, load_with_retries)
+    summary.consistent_points.sort()
     summary.table = ensured[0]
     return summary
+
+
+def _in_parallel(ranges: Sequence[BlockRange], workers: int, destination: Target,
+                 open_destination: Callable[[], Target], load: Callable[[BlockRange, Target], None]) -> None:
+    """`load` over `ranges` by `workers` threads, the first writing through `destination`, the
+    others through targets they open and close; the first failure is raised once all have stopped."""
+    pending = list(reversed(ranges))
+    taking = threading.Lock()
+    failures: list[BaseException] = []
+
+    def work(target: Target) -> None:
+        while True:
+            with taking:
+                if failures or not pending:
+                    return
+                block_range = pending.pop()
+            try:
+                load(block_range, target)
+            except BaseException as error:
+                with taking:
+                    failures.append(error)
+                return
+
+    def extra_worker() -> None:
+        try:
+            target = open_destination()
+        except BaseException as error:
+            with taking:
+                failures.append(error)
+            return
+        try:
+            work(target)
+        finally:
+            target.close()
+
+    threads = [threading.Thread(target=extra_worker, name=f"snapshot-range-{i}", daemon=True)
+               for i in range(1, workers)]
+    for thread in threads:
+        thread.start()
+    work(destination)
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
 
 
 def current_columns(catalog: Any, table: TableConfig) -> tuple[TableSchema, dict[str, source.ExistingRowsValue]]:

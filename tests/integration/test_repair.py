@@ -56,6 +56,11 @@ def test_snapshot_and_repair_of_a_table_named_with_a_quote_a_space_and_a_dot(
     assert cli.main(["--config", str(odd_table), "snapshot", "--table", table_name]) == 0
     out = capsys.readouterr().out
     assert "done" in out and "FAILED" not in out
+    # One run held the table's partitions and read them two at a time (the pool has no limit here).
+    instance = dg.DagsterInstance.get()
+    (run,) = instance.get_runs()
+    messages = [entry.user_message for entry in instance.all_logs(run.run_id)]
+    assert any(" partitions 2 at a time" in message for message in messages), messages
     schema = app.table_schema(ODD)
     target = build_target("clickhouse", config)
     try:
