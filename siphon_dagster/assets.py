@@ -5,8 +5,7 @@ A target asset's partition is a block range; materializing it re-snapshots exact
 """
 
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
@@ -15,13 +14,7 @@ from siphon_core import naming
 from siphon_dagster import source
 from siphon_dagster.partitions import parse_key
 from siphon_dagster.resources import PostgresResource
-from siphon_dagster.run_liveness import (
-    SNAPSHOT_RUN_TAG,
-    WORKER_TAG,
-    in_step_process,
-    run_worker_identity,
-    stop_when_orphaned,
-)
+from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, worker_identity
 from siphon_dagster.snapshot.blockers import WaitReport
 from siphon_dagster.snapshot.load import ensure_target_table, load_ranges
 from siphon_dagster.snapshot.pool_slots import extra_slots
@@ -37,7 +30,6 @@ def snapshot_pool(target: str) -> str:
     one pool per target, so that loads into a slow target never hold the slots a fast one waits
     for; each reads the source only while its COPY runs (the spool takes the rest)."""
     return f"{SNAPSHOT_POOL_PREFIX}_{target}"
-ORPHAN_EXIT_SECONDS = 2.0  # time for the warning to reach the event log
 
 
 def column_schema_metadata(table: TableSchema) -> dg.TableSchema:
@@ -106,7 +98,7 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         # (see snapshot.pool_slots), so memory and the time a snapshot is held stay those of a range.
         # A run killed outright stays STARTED and keeps its pool slot; the partitions sensor fails
         # it once this process is gone, and the daemon then frees the slot.
-        context.instance.add_run_tags(context.run_id, {WORKER_TAG: run_worker_identity(), SNAPSHOT_RUN_TAG: "true"})
+        context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity(), SNAPSHOT_RUN_TAG: "true"})
         ranges = [parse_key(key, spec.table.blocks_per_partition) for key in context.partition_keys]
         source_resource: PostgresResource = context.resources.source
         destination = getattr(context.resources, resource_key).open_target()
@@ -118,8 +110,7 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         pool = snapshot_pool(target)
         step_key = context.get_step_execution_context().step.key
         try:
-            with exit_when_orphaned(context), \
-                    extra_slots(context.instance, pool, context.run_id, step_key, len(ranges) - 1) as parallel:
+            with extra_slots(context.instance, pool, context.run_id, step_key, len(ranges) - 1) as parallel:
                 if parallel > 1:
                     context.log.info(f"reading {len(ranges)} partitions {parallel} at a time (pool {pool})")
                 summary = load_ranges(source_resource.snapshot_settings(), spec.table, ranges, destination,
@@ -168,14 +159,3 @@ def wait_reporter(context: dg.OpExecutionContext, asset_key: dg.AssetKey) -> Cal
     return on_blocked
 
 
-@contextmanager
-def exit_when_orphaned(context: dg.OpExecutionContext) -> Iterator[None]:
-    """A step in a process of its own (Dagster's multiprocess executor) exits when its run's worker
-    dies (kill -9 of `dagster asset materialize`, say): the run is then failed and its pool slot
-    given to another snapshot, which must not run beside this one. Nothing of a range whose load
-    has not finished is applied, so leaving mid-range loses nothing."""
-    if not in_step_process():
-        yield
-        return
-    with stop_when_orphaned(lambda: None, context.log.warning, grace_seconds=ORPHAN_EXIT_SECONDS):
-        yield

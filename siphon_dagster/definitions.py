@@ -70,6 +70,10 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
             build_snapshot_sensor(specs, group, config.snapshots, target_check_keys([*assets, *asset_checks])),
         ],
         resources=build_resources(config),
+        # Every run executes its steps in its own process: a snapshot partition or a check run is
+        # one process, not a run worker plus a process per step (each a full interpreter with
+        # Dagster, pyarrow and the drivers loaded, a few hundred MB).
+        executor=dg.in_process_executor,
     )
     built.append(definitions)
     return definitions

@@ -27,10 +27,10 @@ import dagster as dg
 
 from siphon_core import naming
 from siphon_dagster import source
-from siphon_dagster.assets import exit_when_orphaned, wait_reporter
+from siphon_dagster.assets import wait_reporter
 from siphon_dagster.partitions import ranges_for
 from siphon_dagster.resources import PostgresResource
-from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, run_worker_identity
+from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, worker_identity
 from siphon_dagster.sensors import IN_PROGRESS
 from siphon_dagster.snapshot.blockers import WaitReport
 from siphon_dagster.snapshot.load import (
@@ -155,7 +155,7 @@ def build_resync_job(spec: TableSpec, checks_after: ChecksAfter | None = None) -
     def _resync(context: dg.OpExecutionContext, config: ResyncRunConfig) -> None:
         # Tagged as snapshot runs are: the partitions sensor fails this run if its process dies, so
         # that a resync killed outright does not make every later one refuse to start.
-        context.instance.add_run_tags(context.run_id, {WORKER_TAG: run_worker_identity(), SNAPSHOT_RUN_TAG: "true"})
+        context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity(), SNAPSHOT_RUN_TAG: "true"})
         refuse_concurrent_resync(context.instance, spec.resync_job_name, context.run_id)
         targets = list(config.targets or spec.targets)
         unknown = [t for t in targets if t not in spec.targets]
@@ -166,13 +166,12 @@ def build_resync_job(spec: TableSpec, checks_after: ChecksAfter | None = None) -
         for target in targets:
             destination: Target = getattr(context.resources, f"{target}_target").open_target()
             try:
-                with exit_when_orphaned(context):
-                    result = rebuild_target(
-                        source_resource.snapshot_settings(), source_resource.dsn, spec, target, destination,
-                        on_info=context.log.info, on_warning=context.log.warning,
-                        on_progress=lambda p: context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, "
-                                                               f"{p.rows / p.seconds:,.0f} rows/s"),
-                        on_blocked=wait_reporter(context, spec.target_key(target)))
+                result = rebuild_target(
+                    source_resource.snapshot_settings(), source_resource.dsn, spec, target, destination,
+                    on_info=context.log.info, on_warning=context.log.warning,
+                    on_progress=lambda p: context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, "
+                                                           f"{p.rows / p.seconds:,.0f} rows/s"),
+                    on_blocked=wait_reporter(context, spec.target_key(target)))
             finally:
                 destination.close()
             progress = result.snapshot.progress

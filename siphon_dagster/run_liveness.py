@@ -34,17 +34,9 @@ def worker_identity(pid: int | None = None) -> str:
 
 
 def in_step_process() -> bool:
-    """Whether this is a step that Dagster's multiprocess executor started in a process of its own."""
+    """Whether this process was started by another Python process through multiprocessing (a run
+    worker the code server launched), which it should not outlive."""
     return multiprocessing.parent_process() is not None
-
-
-def run_worker_identity() -> str:
-    """The identity of the process that runs this run: the parent of a step that Dagster's
-    multiprocess executor started in a process of its own, else this process. A step process that
-    exits while its run goes on then never makes the run look dead."""
-    if in_step_process():
-        return worker_identity(os.getppid())
-    return worker_identity()
 
 
 def dead_run_reason(run: dg.DagsterRun, started_at: float | None, now: float) -> str | None:
