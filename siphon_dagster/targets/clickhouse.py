@@ -99,6 +99,10 @@ class ClickHouseTarget(SqlTarget):
         )
         return [StoredColumn(column, kind, bool(in_key)) for column, kind, in_key in rows]
 
+    def _table_exists(self, names: TableNames, name: str) -> bool:
+        # From the database's metadata: several times faster than a query of system.columns.
+        return bool(int(self._execute(names, "looking for a table", f"EXISTS TABLE {names.qualified(name)}")))
+
     # -- schema changes --------------------------------------------------------------------------
 
     def _follow_column(self, names: TableNames, targets: Sequence[str], column: SourceColumn,

@@ -195,8 +195,13 @@ class SqlTarget(ABC):
         for target in (names.live, names.shadow, names.truncations):
             self._execute(names, "dropping a table", f"DROP TABLE IF EXISTS {target}")
 
+    def _table_exists(self, names: TableNames, name: str) -> bool:
+        """Whether table `name` (bare) exists; a target with a cheaper test than reading its
+        catalog's columns overrides this (it runs once per applied batch)."""
+        return bool(self._stored_columns(names, name))
+
     def _shadow_exists(self, names: TableNames) -> bool:
-        return bool(self._stored_columns(names, names.bare("shadow")))
+        return self._table_exists(names, names.bare("shadow"))
 
     def _write_targets(self, names: TableNames) -> list[str]:
         # The resync table first, then the live one: a swap between the two writes leaves the rows
