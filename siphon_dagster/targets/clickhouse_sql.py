@@ -59,7 +59,7 @@ class ClickHouseDialect(ClickHouseCheckStatements):
     name = "clickhouse"
     keys_per_lookup = 5000
     meta_types = {VERSION_COLUMN: "UInt128", DELETED_COLUMN: "UInt8", SYNCED_AT_COLUMN: "DateTime64(6, 'UTC')"}
-    true, false = "1", "0"
+    false = "0"
     # Text as PostgreSQL sends it; the version as text too (ClickHouse parses it as UInt128).
     stage_types = ("Nullable(String)", "String", "UInt8")
     # A micro-batch (bounded by batch_max_bytes) is read once, right away: held in memory, it is

@@ -85,7 +85,7 @@ class SqlDialect(ABC):
     keys_per_lookup: int  # keys (or buckets) one lookup statement binds
     meta_types: dict[str, str]  # Siphon's columns and their types
     meta_constraint = ""  # appended to each of Siphon's columns
-    true, false = "TRUE", "FALSE"  # how the delete flag is written
+    false = "FALSE"  # the delete flag of a row that is not a tombstone
     separator: str  # the separator of digest texts (siphon_dagster.checks.digest)
     # A staging table: how it is created, its column types (text, version as text, delete flag).
     stage_kind = "TABLE"
