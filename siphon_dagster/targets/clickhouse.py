@@ -27,7 +27,7 @@ from siphon_core.redaction import redact_url
 from siphon_dagster.targets import clickhouse_sql as sql
 from siphon_dagster.targets.base import SchemaChange, SourceColumn, TargetError
 from siphon_dagster.targets.names import TableNames
-from siphon_dagster.targets.sql_dialect import STAGE_DELETED, STAGE_VERSION, stage_column
+from siphon_dagster.targets.sql_dialect import stage_column, staging_names
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
 from siphon_dagster.targets.type_mapping import clickhouse_type
 
@@ -144,7 +144,7 @@ class ClickHouseTarget(SqlTarget):
         staged = pa.table(
             [rows.column(i) for i in range(width)]
             + [pc.cast(rows.column(width), pa.string()), pc.cast(rows.column(width + 1), pa.uint8())],
-            names=[stage_column(i) for i in range(width)] + [STAGE_VERSION, STAGE_DELETED],
+            names=staging_names(names.table),
         )
         try:
             self._connect().insert_arrow(staging, staged)

@@ -161,7 +161,7 @@ class SnowflakeTarget(SqlTarget):
     # -- writes ----------------------------------------------------------------------------------
 
     def _fill_staging_table(self, names: TableNames, staging: str, batches: Iterable[pa.Table]) -> int:
-        """Fills the staging table with staging batches (`snowflake_stage.staging_names`); returns
+        """Fills the staging table with staging batches (`sql_dialect.staging_names`); returns
         the rows staged. Through files when there are at least `stage_min_rows` rows and the role
         may create a stage, otherwise with INSERT."""
         iterator = iter(batches)

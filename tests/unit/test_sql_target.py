@@ -176,22 +176,19 @@ class _ThirdDialect(SqlDialect):
     def quote(self, identifier: str) -> str:
         return '"' + identifier.replace('"', '""') + '"'
 
+    def md5_hex(self, expression: str) -> str:
+        return f"md5({expression})"
+
     def target_type(self, column: SourceColumn) -> TargetType:
         return mapping_for(column).snowflake if mapping_for(column).snowflake.native else SNOWFLAKE_TEXT
 
     bindings = _PositionalBindings
 
-    def as_text(self, expression: str) -> str:
-        return f"{expression}::text"
-
-    def concat(self, parts: Sequence[str]) -> str:
-        return " || ".join(parts)
-
-    def md5_hex(self, expression: str) -> str:
-        return f"md5({expression})"
-
     def newest_rows(self, names: TableNames) -> str:
         return f"(SELECT DISTINCT ON ({self.key_order(names.table)}) * FROM {names.live} ORDER BY 1)"
+
+    def as_text(self, expression: str) -> str:
+        return f"{expression}::text"
 
     def stage_reference(self, names: TableNames, name: str) -> str:
         return self.quote(name)
@@ -211,6 +208,9 @@ class _ThirdDialect(SqlDialect):
 
     def version_counts(self, names: TableNames, version: int) -> list[Statement]:
         return []
+
+    def concat(self, parts: Sequence[str]) -> str:
+        return " || ".join(parts)
 
     def digest_of_hashes(self, hashes: str) -> str:
         return f"md5(string_agg({hashes}, '' ORDER BY {hashes}))"
