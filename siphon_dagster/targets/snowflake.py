@@ -158,7 +158,7 @@ class SnowflakeTarget(SqlTarget):
                       f"UPDATE {target} SET {working} = {mapping_for(column).snowflake.convert('?')}", (backfill,))
         self._execute(names, what, f"ALTER TABLE {target} RENAME COLUMN {working} TO {sql.quote(column.name)}")
 
-    # -- writes ----------------------------------------------------------------------------------
+    # -- loads -----------------------------------------------------------------------------------
 
     def _fill_staging_table(self, names: TableNames, staging: str, batches: Iterable[pa.Table]) -> int:
         """Fills the staging table with staging batches (`sql_dialect.staging_names`); returns
