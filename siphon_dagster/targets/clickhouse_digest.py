@@ -1,85 +1,47 @@
-"""ClickHouse statements of the checks: counts around a version, bucket digests, rows by bucket or key.
-
-Values are rendered back to PostgreSQL's text by the type mapping (`clickhouse_sql.rendered_columns`),
-so the row hashes are those PostgreSQL computes (siphon_dagster.checks.digest).
+"""ClickHouse's statements of the checks: counts around a version, a bucket's digest, a key's
+latest row. The rest of the checks' SQL is shared (`sql_dialect.SqlDialect`); values are rendered
+back to PostgreSQL's text by the type mapping, so the row hashes are those PostgreSQL computes
+(siphon_dagster.checks.digest).
 """
 
 from __future__ import annotations
 
 from siphon_dagster.checks.digest import SEPARATOR_CODE
-from siphon_dagster.targets import clickhouse_sql as sql
-from siphon_dagster.targets.base import DELETED_COLUMN, VERSION_COLUMN, TableSchema, TargetRow
-
-_SEPARATOR = f"char({SEPARATOR_CODE})"
-_VERSION = sql.quote(VERSION_COLUMN)
-_DELETED = sql.quote(DELETED_COLUMN)
+from siphon_dagster.targets.base import DELETED_COLUMN, VERSION_COLUMN
+from siphon_dagster.targets.names import TableNames
+from siphon_dagster.targets.sql_dialect import SqlDialect, Statement
 
 
-def _joined(parts: list[str]) -> str:
-    if len(parts) == 1:
-        return parts[0]
-    return "concat(" + f", {_SEPARATOR}, ".join(parts) + ")"
+class ClickHouseCheckStatements(SqlDialect):
+    """The check hooks of `clickhouse_sql.ClickHouseDialect`."""
 
+    separator = f"char({SEPARATOR_CODE})"
 
-def key_renders(table: TableSchema) -> list[str]:
-    return [f"ifNull({r}, '')" for r in sql.rendered_columns(table, [c.name for c in table.key_columns])]
+    def version_counts(self, names: TableNames, version: int) -> list[Statement]:
+        """Current rows at or below / above the version; then keys whose latest version is a
+        tombstone above it (only rows above it are grouped: a key's latest version above it is
+        among them)."""
+        bind = self.bindings()
+        bound = bind.version(version)
+        v, d = self.quote(VERSION_COLUMN), self.quote(DELETED_COLUMN)
+        current = bind.statement(f"SELECT countIf({v} <= {bound}), countIf({v} > {bound}) FROM {names.view}")
+        deleted = bind.statement(f"SELECT countIf(d = 1) FROM (SELECT argMax({d}, {v}) AS d FROM {names.live} "
+                                 f"WHERE {v} > {bound} GROUP BY {self.key_order(names.table)})")
+        return [current, deleted]
 
+    def digest_of_hashes(self, hashes: str) -> str:
+        # Raw 16-byte hashes are collected (half the memory of hex) and sorted: bytes sort as their hex does.
+        return f"lower(hex(MD5(arrayStringConcat(arrayMap(x -> lower(hex(x)), arraySort(groupArray({hashes})))))))"
 
-def key_text(table: TableSchema) -> str:
-    return _joined(key_renders(table))
-
-
-def row_text(table: TableSchema) -> str:
-    return _joined([f"ifNull(concat('1', {r}), '0')" for r in sql.rendered_columns(table, list(table.column_names))])
-
-
-def bucket(table: TableSchema, digits_parameter: str) -> str:
-    return f"substring(lower(hex(MD5({key_text(table)}))), 1, {{{digits_parameter}:UInt8}})"
-
-
-def version_counts(names: sql.TableNames) -> tuple[str, str]:
-    """Current rows at or below / above {v}; then keys whose latest version is a tombstone above {v}
-    (only rows above {v} are grouped: a key's latest version above it is among them)."""
-    current = (f"SELECT countIf({_VERSION} <= {{v:UInt128}}), countIf({_VERSION} > {{v:UInt128}}) "
-               f"FROM {names.view}")
-    keys = sql.key_order(names.table)
-    deleted = (f"SELECT countIf(d = 1) FROM (SELECT argMax({_DELETED}, {_VERSION}) AS d FROM {names.live} "
-               f"WHERE {_VERSION} > {{v:UInt128}} GROUP BY {keys})")
-    return current, deleted
-
-
-def bucket_digests(names: sql.TableNames) -> str:
-    # Raw 16-byte hashes are collected (half the memory of hex) and sorted: bytes sort as their hex does.
-    return (f"SELECT b, count(), lower(hex(MD5(arrayStringConcat(arrayMap(x -> lower(hex(x)), "
-            f"arraySort(groupArray(h))))))) FROM (SELECT {bucket(names.table, 'digits')} AS b, "
-            f"MD5({row_text(names.table)}) AS h FROM {names.view}) GROUP BY b")
-
-
-def latest_rows(names: sql.TableNames, where: str) -> str:
-    """Each matching key's latest version, tombstones included, with the hash of its values."""
-    table = names.table
-    renders = key_renders(table)
-    keys = ", ".join(f"{r} AS {sql.quote(f'k{i}')}" for i, r in enumerate(renders))
-    grouped = ", ".join(sql.quote(f"k{i}") for i in range(len(renders)))
-    return (f"SELECT {grouped}, argMax(h, v), toString(max(v)), argMax(d, v), "
-            f"(SELECT toString(max({_VERSION})) FROM {names.truncations}) FROM ("
-            f"SELECT {keys}, lower(hex(MD5({row_text(table)}))) AS h, {_VERSION} AS v, {_DELETED} AS d "
-            f"FROM {names.live} WHERE {where}) GROUP BY {grouped}")
-
-
-def bucket_filter(table: TableSchema) -> str:
-    return f"{bucket(table, 'digits')} IN {{buckets:Array(String)}}"
-
-
-def target_rows(result_rows: list, width: int) -> dict[tuple[str, ...], TargetRow]:
-    """(key..., hash, version, deleted, truncation version) -> TargetRow; a row older than the latest
-    TRUNCATE reads as deleted by it."""
-    found = {}
-    for row in result_rows:
-        key = tuple(row[:width])
-        digest, version, deleted, truncated = row[width], int(row[width + 1]), bool(row[width + 2]), int(row[width + 3] or 0)
-        if version <= truncated:
-            found[key] = TargetRow(None, truncated, True)
-        else:
-            found[key] = TargetRow(None if deleted else digest, version, deleted)
-    return found
+    def latest_rows(self, names: TableNames, where: str) -> str:
+        # Every stored version of the matching keys is read and the latest picked per key: FINAL
+        # would drop the keys whose latest version is a tombstone.
+        table = names.table
+        v, d = self.quote(VERSION_COLUMN), self.quote(DELETED_COLUMN)
+        renders = self.rendered_columns(table, [c.name for c in table.key_columns])
+        keys = ", ".join(f"COALESCE({r}, '') AS {self.quote(f'k{i}')}" for i, r in enumerate(renders))
+        grouped = ", ".join(self.quote(f"k{i}") for i in range(len(renders)))
+        return (f"SELECT {grouped}, argMax(h, v), toString(max(v)), argMax(d, v), "
+                f"(SELECT toString(max({v})) FROM {names.truncations}) FROM ("
+                f"SELECT {keys}, {self.md5_hex(self.row_text(table))} AS h, {v} AS v, {d} AS d "
+                f"FROM {names.live} WHERE {where}) GROUP BY {grouped}")

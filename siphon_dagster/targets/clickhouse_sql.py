@@ -1,4 +1,5 @@
-"""ClickHouse statements for one replicated table, built from its schema and the type mapping.
+"""ClickHouse's dialect: its spellings of the shared statements (`sql_dialect`) and the statements
+only it runs (the snapshot's text stage, attaching parts, the version rule's INSERT).
 
 Identifiers always go through `quote`. Values are server-side parameters (`{name:Type}`), never
 text spliced into SQL, except a DEFAULT in DDL, which takes no parameters (`backfill_default`).
@@ -6,28 +7,24 @@ text spliced into SQL, except a DEFAULT in DDL, which takes no parameters (`back
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
 
 from clickhouse_connect.driver.binding import escape_str, format_query_value
 
 from siphon_dagster.targets.base import (
     DELETED_COLUMN,
-    META_COLUMNS,
     SYNCED_AT_COLUMN,
     VERSION_COLUMN,
     SourceColumn,
     TableSchema,
-    TargetError,
 )
-from siphon_dagster.targets.names import TargetTableNames
-from siphon_dagster.targets.type_mapping import clickhouse_type, mapping_for
+from siphon_dagster.targets.clickhouse_digest import ClickHouseCheckStatements
+from siphon_dagster.targets.names import TableNames
+from siphon_dagster.targets.sql_dialect import STAGE_DELETED, STAGE_VERSION, Bindings, Statement, stage_column
+from siphon_dagster.targets.type_mapping import TargetType, clickhouse_type, mapping_for
 
-META_TYPES = {VERSION_COLUMN: "UInt128", DELETED_COLUMN: "UInt8", SYNCED_AT_COLUMN: "DateTime64(6, 'UTC')"}
 NOW = "now64(6, 'UTC')"
-
-# Staging columns: positional names, so awkward source names never reach the staging table.
-STAGE_VERSION = "_v"
-STAGE_DELETED = "_d"
 COUNTED_ROWS = "rows"
 
 
@@ -40,35 +37,117 @@ def quote(identifier: str) -> str:
     return f"`{escape_str(identifier)}`"
 
 
-def stage_column(index: int) -> str:
-    return f"c{index}"
+class NamedBindings(Bindings):
+    """Server-side parameters `{p<n>:Type}`, sent beside the statement."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, Any] = {}
+
+    def bind(self, value: Any, kind: str) -> str:
+        name = f"p{len(self.params)}"
+        self.params[name] = value
+        return f"{{{name}:{kind}}}"
+
+    def version(self, value: int) -> str:
+        return self.bind(value, "UInt128")
+
+    def texts(self, values: Sequence[str]) -> str:
+        return self.bind(list(values), "Array(String)")
 
 
-@dataclass(frozen=True, kw_only=True)
-class TableNames(TargetTableNames):
-    database: str
+class ClickHouseDialect(ClickHouseCheckStatements):
+    name = "clickhouse"
+    keys_per_lookup = 5000
+    meta_types = {VERSION_COLUMN: "UInt128", DELETED_COLUMN: "UInt8", SYNCED_AT_COLUMN: "DateTime64(6, 'UTC')"}
+    false = "0"
+    # Text as PostgreSQL sends it; the version as text too (ClickHouse parses it as UInt128).
+    stage_types = ("Nullable(String)", "String", "UInt8")
+    # A micro-batch (bounded by batch_max_bytes) is read once, right away: held in memory, it is
+    # never compressed into a part on disk only to be read back.
+    stage_options = " ENGINE = Memory"
 
-    def qualified(self, name: str) -> str:
-        return f"{quote(self.database)}.{quote(name)}"
+    def quote(self, identifier: str) -> str:
+        return quote(identifier)
 
-    @property
-    def location(self) -> str:
-        return f"clickhouse {self.database}"
+    def target_type(self, column: SourceColumn) -> TargetType:
+        return mapping_for(column).clickhouse
 
+    def column_type(self, column: SourceColumn) -> str:
+        return clickhouse_type(column)
 
-def check_columns(table: TableSchema) -> None:
-    if not table.key_columns:
-        raise TargetError(
-            f"{table.schema}.{table.table} has no primary key; the version rule needs one "
-            "(add a primary key at the source)"
+    def type_matches(self, column: SourceColumn, stored: str) -> bool:
+        # A column added later, or one that became NOT NULL, stays Nullable (see ClickHouseTarget).
+        expected = clickhouse_type(column)
+        return stored in (expected, f"Nullable({expected})")
+
+    def bindings(self) -> NamedBindings:
+        return NamedBindings()
+
+    def as_text(self, expression: str) -> str:
+        return f"toString({expression})"
+
+    def concat(self, parts: Sequence[str]) -> str:
+        return parts[0] if len(parts) == 1 else f"concat({', '.join(parts)})"
+
+    def md5_hex(self, expression: str) -> str:
+        return f"lower(hex(MD5({expression})))"
+
+    def table_options(self, table: TableSchema) -> str:
+        """Every version of every row; merges keep the greatest version per key, tombstones included.
+
+        `_siphon_deleted` as ReplacingMergeTree's is_deleted column makes `FINAL` drop keys whose
+        latest version is a tombstone. Tombstones are never cleaned up (that needs an explicit
+        `OPTIMIZE ... FINAL CLEANUP`, which Siphon never runs): a removed tombstone would let an
+        older change applied later come back.
+        """
+        return (f" ENGINE = ReplacingMergeTree({quote(VERSION_COLUMN)}, {quote(DELETED_COLUMN)}) "
+                f"ORDER BY ({self.key_order(table)})")
+
+    def log_table_options(self) -> str:
+        return " ENGINE = MergeTree ORDER BY tuple()"
+
+    def newest_rows(self, names: TableNames) -> str:
+        # FINAL resolves versions at read time, so the view is right before any merge has happened,
+        # and drops keys whose latest version is a tombstone. The view's filters must stay in WHERE,
+        # which ClickHouse applies after FINAL: a PREWHERE would let an older version show through.
+        return f"{names.live} FINAL"
+
+    def stage_reference(self, names: TableNames, name: str) -> str:
+        return names.qualified(name)
+
+    def key_filter(self, table: TableSchema, keys: Sequence[tuple[str, ...]], bind: Bindings) -> str:
+        """The keys travel as one Array(Array(String)) parameter, converted by ClickHouse."""
+        assert isinstance(bind, NamedBindings)
+        key_columns = table.key_columns
+        converted = ", ".join(mapping_for(c).clickhouse.convert(f"k[{i + 1}]") for i, c in enumerate(key_columns))
+        columns = self.key_order(table)
+        if len(key_columns) > 1:
+            columns = f"({columns})"
+        array = bind.bind([list(key) for key in keys], "Array(Array(String))")
+        return f"{columns} IN (SELECT {converted} FROM (SELECT arrayJoin({array}) AS k))"
+
+    def tombstone_all(self, target: str, table: TableSchema, version: int) -> Statement:
+        """An INSERT of a tombstone for every key whose latest version is older: ClickHouse never
+        updates in place, the table's version column decides."""
+        bind = self.bindings()
+        bound = bind.version(version)
+        keys = self.key_order(table)
+        meta = ", ".join(quote(name) for name in self.meta_types)
+        return bind.statement(
+            f"INSERT INTO {target} ({keys}, {meta}) SELECT {keys}, {bound}, 1, {NOW} FROM {target} "
+            f"GROUP BY {keys} HAVING max({quote(VERSION_COLUMN)}) < {bound}"
         )
-    clashes = [c.name for c in table.columns if c.name in META_COLUMNS]
-    if clashes:
-        raise TargetError(f"{table.schema}.{table.table}: column names {clashes} are reserved for Siphon's own columns")
+
+    def swap(self, names: TableNames) -> str:
+        # Atomic databases exchange both names in one step: readers see the old or the new table.
+        return f"EXCHANGE TABLES {names.live} AND {names.shadow}"
+
+    def swap_by_renames(self, names: TableNames, retired: str) -> list[str]:
+        # Ordinary databases cannot exchange; one RENAME statement moves both names.
+        return [f"RENAME TABLE {names.live} TO {retired}, {names.shadow} TO {names.live}, {retired} TO {names.shadow}"]
 
 
-def column_definition(column: SourceColumn) -> str:
-    return f"{quote(column.name)} {clickhouse_type(column)}"
+dialect = ClickHouseDialect()
 
 
 def backfill_default(column: SourceColumn, text: str | None) -> str:
@@ -84,65 +163,6 @@ def backfill_default(column: SourceColumn, text: str | None) -> str:
     if text is None:
         return ""
     return f" DEFAULT {mapping_for(column).clickhouse.convert(format_query_value(text))}"
-
-
-def create_table(target: str, table: TableSchema) -> str:
-    """Every version of every row; merges keep the greatest version per key, tombstones included.
-
-    `_siphon_deleted` as ReplacingMergeTree's is_deleted column makes `FINAL` drop keys whose latest
-    version is a tombstone. Tombstones are never cleaned up (that needs an explicit
-    `OPTIMIZE ... FINAL CLEANUP`, which Siphon never runs): a removed tombstone would let an older
-    change applied later come back.
-    """
-    columns = [column_definition(c) for c in table.columns]
-    columns += [f"{quote(name)} {kind}" for name, kind in META_TYPES.items()]
-    order_by = ", ".join(quote(c.name) for c in table.key_columns)
-    return (
-        f"CREATE TABLE IF NOT EXISTS {target} ({', '.join(columns)}) "
-        f"ENGINE = ReplacingMergeTree({quote(VERSION_COLUMN)}, {quote(DELETED_COLUMN)}) ORDER BY ({order_by})"
-    )
-
-
-def view_columns(table: TableSchema) -> list[str]:
-    return [*table.column_names, VERSION_COLUMN, SYNCED_AT_COLUMN]
-
-
-def create_truncations(names: TableNames) -> str:
-    return (
-        f"CREATE TABLE IF NOT EXISTS {names.truncations} ({quote(VERSION_COLUMN)} UInt128) "
-        "ENGINE = MergeTree ORDER BY tuple()"
-    )
-
-
-def record_truncation(names: TableNames, version_parameter: str) -> str:
-    return f"INSERT INTO {names.truncations} ({quote(VERSION_COLUMN)}) SELECT {{{version_parameter}:UInt128}}"
-
-
-def create_view(names: TableNames) -> str:
-    """Current rows: the latest version of each key, unless a tombstone or older than a TRUNCATE.
-
-    FINAL resolves versions at read time, so the view is right before any merge has happened, and
-    drops keys whose latest version is a tombstone. The filters must stay in WHERE, which ClickHouse
-    applies after FINAL: a PREWHERE would run before it and let an older version show through.
-    """
-    selected = ", ".join(quote(name) for name in view_columns(names.table))
-    version = quote(VERSION_COLUMN)
-    return (
-        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {selected} FROM {names.live} FINAL "
-        f"WHERE {quote(DELETED_COLUMN)} = 0 AND {version} > (SELECT max({version}) FROM {names.truncations})"
-    )
-
-
-# The external table a change batch is sent as, beside the statement that inserts it.
-BATCH_TABLE = "_siphon_batch"
-
-
-def stage_structure(table: TableSchema) -> str:
-    """The columns of a change batch as staged: the values as text, the version as text (ClickHouse
-    parses it as UInt128), the delete flag."""
-    columns = [f"{quote(stage_column(i))} Nullable(String)" for i in range(len(table.columns))]
-    columns += [f"{quote(STAGE_VERSION)} String", f"{quote(STAGE_DELETED)} UInt8"]
-    return ", ".join(columns)
 
 
 def create_text_stage(stage: str, table: TableSchema) -> str:
@@ -169,19 +189,20 @@ def count_text_rows(view: str, text_stage: str, counts: str) -> str:
 
 
 def convert_text_stage(view: str, text_stage: str, text_alias: str, typed_stage: str, table: TableSchema,
-                       version_parameter: str) -> str:
+                       version: int) -> Statement:
     """The snapshot conversion of `insert_from_stage`, as a materialized view from the text stage
-    into a typed stage: every row gets the version bound when the view is created.
+    into a typed stage: every row gets `version`, bound when the view is created.
 
     The stage's columns are qualified by `text_alias` (a name no source column has) because the
     view's aliases are the source's column names, which may be positional names themselves.
     """
+    bind = dialect.bindings()
     values = [f"{_converted(c, f'{quote(text_alias)}.{quote(stage_column(i))}')} AS {quote(c.name)}"
               for i, c in enumerate(table.columns)]
-    values += [f"{{{version_parameter}:UInt128}} AS {quote(VERSION_COLUMN)}", f"0 AS {quote(DELETED_COLUMN)}",
+    values += [f"{bind.version(version)} AS {quote(VERSION_COLUMN)}", f"0 AS {quote(DELETED_COLUMN)}",
                f"{NOW} AS {quote(SYNCED_AT_COLUMN)}"]
-    return (f"CREATE MATERIALIZED VIEW {view} TO {typed_stage} AS SELECT {', '.join(values)} "
-            f"FROM {text_stage} AS {quote(text_alias)}")
+    return bind.statement(f"CREATE MATERIALIZED VIEW {view} TO {typed_stage} AS SELECT {', '.join(values)} "
+                          f"FROM {text_stage} AS {quote(text_alias)}")
 
 
 def attach_stage(target: str, typed_stage: str) -> str:
@@ -199,50 +220,14 @@ def _converted(column: SourceColumn, operand: str) -> str:
     return f"ifNull({expression}, defaultValueOfTypeName('{escape_str(kind)}'))"
 
 
-def insert_from_stage(target: str, stage: str, table: TableSchema, version_parameter: str | None = None) -> str:
-    """Converts staged text into the table's types inside ClickHouse.
+# The external table a change batch is sent as, beside the statement that inserts it.
+BATCH_TABLE = "_siphon_batch"
 
-    With `version_parameter` every row gets that version and is not deleted (a snapshot);
-    otherwise each row carries its own version and delete flag.
-    """
-    columns = [quote(c.name) for c in table.columns] + [quote(name) for name in META_TYPES]
+
+def insert_from_stage(target: str, stage: str, table: TableSchema) -> str:
+    """Converts a staged batch's text into the table's types inside ClickHouse; each row carries
+    its own version and delete flag, and the table's version column applies the version rule."""
+    columns = [quote(c.name) for c in table.columns] + [quote(name) for name in dialect.meta_types]
     values = [_converted(c, quote(stage_column(i))) for i, c in enumerate(table.columns)]
-    if version_parameter is None:
-        values += [f"toUInt128({quote(STAGE_VERSION)})", quote(STAGE_DELETED)]
-    else:
-        values += [f"{{{version_parameter}:UInt128}}", "0"]
-    values.append(NOW)
+    values += [f"toUInt128({quote(STAGE_VERSION)})", quote(STAGE_DELETED), NOW]
     return f"INSERT INTO {target} ({', '.join(columns)}) SELECT {', '.join(values)} FROM {stage}"
-
-
-def tombstone_keys(target: str, table: TableSchema, version_parameter: str) -> str:
-    """TRUNCATE: a tombstone with the truncate's version for every key whose latest version is older.
-
-    Keys already deleted are tombstoned again with the newer version, so a replayed change older
-    than the truncate cannot revive them.
-    """
-    keys = [quote(c.name) for c in table.key_columns]
-    meta = [quote(name) for name in META_TYPES]
-    return (
-        f"INSERT INTO {target} ({', '.join(keys + meta)}) "
-        f"SELECT {', '.join(keys)}, {{{version_parameter}:UInt128}}, 1, {NOW} FROM {target} "
-        f"GROUP BY {', '.join(keys)} HAVING max({quote(VERSION_COLUMN)}) < {{{version_parameter}:UInt128}}"
-    )
-
-
-def rendered_columns(table: TableSchema, names: list[str]) -> list[str]:
-    return [mapping_for(table.column(name)).clickhouse.render(quote(name)) for name in names]
-
-
-def key_order(table: TableSchema) -> str:
-    return ", ".join(quote(c.name) for c in table.key_columns)
-
-
-def key_filter(table: TableSchema, keys_parameter: str) -> str:
-    """`WHERE` on the key for keys given as text in an Array(Array(String)) parameter."""
-    keys = table.key_columns
-    converted = ", ".join(mapping_for(c).clickhouse.convert(f"k[{i + 1}]") for i, c in enumerate(keys))
-    columns = ", ".join(quote(c.name) for c in keys)
-    if len(keys) > 1:
-        columns = f"({columns})"
-    return f"{columns} IN (SELECT {converted} FROM (SELECT arrayJoin({{{keys_parameter}:Array(Array(String))}}) AS k))"

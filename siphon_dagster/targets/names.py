@@ -1,58 +1,61 @@
-"""The names of a replicated table's objects in a target; each target supplies its own quoting."""
+"""The names of a replicated table's objects in a target, quoted the way that target quotes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from siphon_core.naming import current_view_name, target_table_name
 from siphon_dagster.targets.base import TableSchema, shadow_table_name, truncations_table_name
 
+# The objects a replicated table has in a target, by role, and how each is named from (schema, table).
+OBJECTS: dict[str, Callable[[str, str], str]] = {
+    "live": target_table_name,
+    "shadow": shadow_table_name,  # filled by a resync, then swapped in
+    "truncations": truncations_table_name,
+    "view": current_view_name,  # current rows
+}
+
+
+class _Reference:
+    """`names.<role>`: the qualified, quoted reference of the object with that role."""
+
+    def __set_name__(self, owner: type, role: str) -> None:
+        self.role = role
+
+    def __get__(self, names: TableNames, owner: type | None = None) -> str:
+        return names.qualified(names.bare(self.role))
+
 
 @dataclass(frozen=True)
-class TargetTableNames:
-    """Bare names (`*_name`) and qualified, quoted references of the table, its shadow, its
-    truncations table and its current-rows view. Subclasses define `qualified` and `location`."""
+class TableNames:
+    """The table's objects (`OBJECTS`) inside `namespace`: the database, and the schema where the
+    target has one."""
 
     table: TableSchema
+    target: str  # "clickhouse", "snowflake": for messages
+    namespace: tuple[str, ...]
+    quote: Callable[[str], str]
+
+    live = _Reference()
+    shadow = _Reference()
+    truncations = _Reference()
+    view = _Reference()
+
+    def bare(self, role: str) -> str:
+        """The unquoted name of the object with that role (what a catalog is asked about)."""
+        return OBJECTS[role](self.table.schema, self.table.table)
 
     def qualified(self, name: str) -> str:
-        raise NotImplementedError
-
-    @property
-    def location(self) -> str:
-        raise NotImplementedError
+        return ".".join(self.quote(part) for part in (*self.namespace, name))
 
     @property
     def table_name(self) -> str:
-        return target_table_name(self.table.schema, self.table.table)
+        return self.bare("live")
 
     @property
-    def live(self) -> str:
-        return self.qualified(self.table_name)
-
-    @property
-    def shadow_name(self) -> str:
-        return shadow_table_name(self.table.schema, self.table.table)
-
-    @property
-    def shadow(self) -> str:
-        return self.qualified(self.shadow_name)
-
-    @property
-    def truncations_name(self) -> str:
-        return truncations_table_name(self.table.schema, self.table.table)
-
-    @property
-    def truncations(self) -> str:
-        return self.qualified(self.truncations_name)
-
-    @property
-    def view_name(self) -> str:
-        return current_view_name(self.table.schema, self.table.table)
-
-    @property
-    def view(self) -> str:
-        return self.qualified(self.view_name)
+    def location(self) -> str:
+        return f"{self.target} {'.'.join(self.namespace)}"
 
     def describe(self, what: str) -> str:
         return f"{self.location}.{self.table_name} ({self.table.schema}.{self.table.table}): {what}"

@@ -1,78 +1,38 @@
-"""Snowflake statements of the checks: counts around a version, bucket digests, rows by bucket or key.
-
-Values are rendered back to PostgreSQL's text by the type mapping (`snowflake_sql.rendered_columns`),
-so the row hashes are those PostgreSQL computes (siphon_dagster.checks.digest). Versions are bound
-as text and cast, as everywhere in this target.
+"""Snowflake's statements of the checks: counts around a version, a bucket's digest, a key's
+latest row. The rest of the checks' SQL is shared (`sql_dialect.SqlDialect`); values are rendered
+back to PostgreSQL's text by the type mapping, so the row hashes are those PostgreSQL computes
+(siphon_dagster.checks.digest). Versions are bound as text and cast, as everywhere in this target.
 """
 
 from __future__ import annotations
 
 from siphon_dagster.checks.digest import SEPARATOR_CODE
-from siphon_dagster.targets import snowflake_sql as sql
-from siphon_dagster.targets.base import DELETED_COLUMN, VERSION_COLUMN, TableSchema, TargetRow
-
-_SEPARATOR = f"CHR({SEPARATOR_CODE})"
-_VERSION = sql.quote(VERSION_COLUMN)
-_DELETED = sql.quote(DELETED_COLUMN)
-_BOUND_VERSION = f"CAST(? AS {sql.VERSION_TYPE})"
+from siphon_dagster.targets.base import DELETED_COLUMN, VERSION_COLUMN
+from siphon_dagster.targets.names import TableNames
+from siphon_dagster.targets.sql_dialect import SqlDialect, Statement
 
 
-def key_renders(table: TableSchema) -> list[str]:
-    return sql.rendered_columns(table, [c.name for c in table.key_columns])
+class SnowflakeCheckStatements(SqlDialect):
+    """The check hooks of `snowflake_sql.SnowflakeDialect`."""
 
+    separator = f"CHR({SEPARATOR_CODE})"
 
-def key_text(table: TableSchema) -> str:
-    return f" || {_SEPARATOR} || ".join(key_renders(table))
+    def version_counts(self, names: TableNames, version: int) -> list[Statement]:
+        """One statement over each key's newest row (as the current-rows view picks it)."""
+        bind = self.bindings()
+        v, d = self.quote(VERSION_COLUMN), self.quote(DELETED_COLUMN)
+        live = f"NOT {d} AND {v} > {self.latest_truncation(names)}"
+        conditions = (f"{live} AND {v} <= {bind.version(version)}", f"{live} AND {v} > {bind.version(version)}",
+                      f"{d} AND {v} > {bind.version(version)}")
+        sums = ", ".join(f"COALESCE(SUM(CASE WHEN {c} THEN 1 ELSE 0 END), 0)" for c in conditions)
+        return [bind.statement(f"SELECT {sums} FROM {self.newest_rows(names)}")]
 
+    def digest_of_hashes(self, hashes: str) -> str:
+        return f"MD5(LISTAGG({hashes}, '') WITHIN GROUP (ORDER BY {hashes}))"
 
-def row_text(table: TableSchema) -> str:
-    parts = [f"COALESCE('1' || {r}, '0')" for r in sql.rendered_columns(table, list(table.column_names))]
-    return f" || {_SEPARATOR} || ".join(parts)
-
-
-def newest(names: sql.TableNames) -> str:
-    """Each key's newest stored row, tombstones included (as the current-rows view picks it)."""
-    return (f"SELECT * FROM {names.live} QUALIFY ROW_NUMBER() OVER (PARTITION BY {sql.key_order(names.table)} "
-            f"ORDER BY {_VERSION} DESC) = 1")
-
-
-def truncated(names: sql.TableNames) -> str:
-    return f"(SELECT COALESCE(MAX({_VERSION}), 0) FROM {names.truncations})"
-
-
-def version_counts(names: sql.TableNames) -> str:
-    """Binds the version three times."""
-    live = f"NOT {_DELETED} AND {_VERSION} > {truncated(names)}"
-    return (f"SELECT COALESCE(SUM(CASE WHEN {live} AND {_VERSION} <= {_BOUND_VERSION} THEN 1 ELSE 0 END), 0), "
-            f"COALESCE(SUM(CASE WHEN {live} AND {_VERSION} > {_BOUND_VERSION} THEN 1 ELSE 0 END), 0), "
-            f"COALESCE(SUM(CASE WHEN {_DELETED} AND {_VERSION} > {_BOUND_VERSION} THEN 1 ELSE 0 END), 0) "
-            f"FROM ({newest(names)})")
-
-
-def bucket_digests(names: sql.TableNames, digits: int) -> str:
-    """Binds nothing: `digits` is an int the caller checked."""
-    return (f"SELECT b, COUNT(*), MD5(LISTAGG(h, '') WITHIN GROUP (ORDER BY h)) FROM ("
-            f"SELECT SUBSTR(MD5({key_text(names.table)}), 1, {int(digits)}) AS b, MD5({row_text(names.table)}) AS h "
-            f"FROM {names.view}) GROUP BY b")
-
-
-def latest_rows(names: sql.TableNames, where: str) -> str:
-    keys = ", ".join(key_renders(names.table))
-    return (f"SELECT {keys}, MD5({row_text(names.table)}), CAST({_VERSION} AS VARCHAR), {_DELETED}, "
-            f"CAST({truncated(names)} AS VARCHAR) FROM ({newest(names)}) WHERE {where}")
-
-
-def bucket_filter(table: TableSchema, digits: int, count: int) -> str:
-    return f"SUBSTR(MD5({key_text(table)}), 1, {int(digits)}) IN ({', '.join(['?'] * count)})"
-
-
-def target_rows(result_rows: list, width: int) -> dict[tuple[str, ...], TargetRow]:
-    found = {}
-    for row in result_rows:
-        key = tuple(row[:width])
-        digest, version, deleted, truncation = row[width], int(row[width + 1]), bool(row[width + 2]), int(row[width + 3] or 0)
-        if version <= truncation:
-            found[key] = TargetRow(None, truncation, True)
-        else:
-            found[key] = TargetRow(None if deleted else digest, version, deleted)
-    return found
+    def latest_rows(self, names: TableNames, where: str) -> str:
+        table = names.table
+        keys = ", ".join(self.rendered_columns(table, [c.name for c in table.key_columns]))
+        return (f"SELECT {keys}, {self.md5_hex(self.row_text(table))}, {self.as_text(self.quote(VERSION_COLUMN))}, "
+                f"{self.quote(DELETED_COLUMN)}, {self.as_text(self.latest_truncation(names))} "
+                f"FROM {self.newest_rows(names)} WHERE {where}")

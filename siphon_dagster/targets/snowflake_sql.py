@@ -1,4 +1,5 @@
-"""Snowflake statements for one replicated table, built from its schema and the type mapping.
+"""Snowflake's dialect: its spellings of the shared statements (`sql_dialect`) and the statements
+only it runs (the version-guarded MERGE, multi-row INSERT into a staging table).
 
 Every identifier goes through `quote`: source names keep their exact spelling (Snowflake folds only
 unquoted names to upper case). Values are always bind parameters (qmark style).
@@ -7,30 +8,32 @@ unquoted names to upper case). Values are always bind parameters (qmark style).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from siphon_dagster.targets.base import (
     DELETED_COLUMN,
-    META_COLUMNS,
     SYNCED_AT_COLUMN,
     VERSION_COLUMN,
     SourceColumn,
     TableSchema,
-    TargetError,
 )
-from siphon_dagster.targets.names import TargetTableNames
-from siphon_dagster.targets.type_mapping import mapping_for, snowflake_type
+from siphon_dagster.targets.names import TableNames
+from siphon_dagster.targets.snowflake_digest import SnowflakeCheckStatements
+from siphon_dagster.targets.sql_dialect import (
+    STAGE_DELETED,
+    STAGE_VERSION,
+    Bindings,
+    Statement,
+    stage_column,
+    staging_names,
+)
+from siphon_dagster.targets.type_mapping import TargetType, mapping_for, snowflake_type
 
 # A version is (commit LSN << 32 | position): at most 96 bits, i.e. 29 decimal digits. NUMBER(29,0)
 # holds every one exactly (fakesnow also turns NUMBER(38,0) into a 64-bit BIGINT, which would not).
 VERSION_TYPE = "NUMBER(29,0)"
-META_TYPES = {VERSION_COLUMN: VERSION_TYPE, DELETED_COLUMN: "BOOLEAN", SYNCED_AT_COLUMN: "TIMESTAMP_NTZ(6)"}
 # SYSDATE() is the current time in UTC as TIMESTAMP_NTZ, whatever the session's time zone.
 NOW = "SYSDATE()"
-
-# Staging columns: positional names, so awkward source names never reach the staging table.
-STAGE_VERSION = "_v"
-STAGE_DELETED = "_d"
 
 _UNQUOTED_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 
@@ -48,38 +51,106 @@ def configured_identifier(name: str) -> str:
     return name.upper() if _UNQUOTED_IDENTIFIER.match(name) else name
 
 
-def stage_column(index: int) -> str:
-    return f"c{index}"
+class PositionalBindings(Bindings):
+    """qmark parameters, in the order the statement's text names them. A version travels as text
+    and is cast: a 96-bit integer is not a bind type every client agrees on."""
+
+    def __init__(self) -> None:
+        self.params: list[object] = []
+
+    def bind(self, value: object) -> str:
+        self.params.append(value)
+        return "?"
+
+    def version(self, value: int) -> str:
+        return f"CAST({self.bind(str(value))} AS {VERSION_TYPE})"
+
+    def texts(self, values: Sequence[str]) -> str:
+        return "(" + ", ".join(self.bind(value) for value in values) + ")"
 
 
-@dataclass(frozen=True, kw_only=True)
-class TableNames(TargetTableNames):
-    database: str
-    schema: str
+class SnowflakeDialect(SnowflakeCheckStatements):
+    name = "snowflake"
+    keys_per_lookup = 500
+    meta_types = {VERSION_COLUMN: VERSION_TYPE, DELETED_COLUMN: "BOOLEAN", SYNCED_AT_COLUMN: "TIMESTAMP_NTZ(6)"}
+    meta_constraint = " NOT NULL"
+    stage_kind = "TEMPORARY TABLE"  # ends with the session: a crashed process leaves none behind
+    stage_types = ("VARCHAR", "VARCHAR", "BOOLEAN")
 
-    def qualified(self, name: str) -> str:
-        return f"{quote(self.database)}.{quote(self.schema)}.{quote(name)}"
+    def quote(self, identifier: str) -> str:
+        return quote(identifier)
 
-    @property
-    def location(self) -> str:
-        return f"snowflake {self.database}.{self.schema}"
+    def target_type(self, column: SourceColumn) -> TargetType:
+        return mapping_for(column).snowflake
 
+    def column_definition(self, column: SourceColumn) -> str:
+        # Only key columns are NOT NULL: a tombstone carries its key and NULL elsewhere.
+        return super().column_definition(column) + (" NOT NULL" if column.primary_key else "")
 
-def check_columns(table: TableSchema) -> None:
-    if not table.key_columns:
-        raise TargetError(
-            f"{table.schema}.{table.table} has no primary key; the version rule needs one "
-            "(add a primary key at the source)"
+    def described_type(self, column: SourceColumn) -> str:
+        return declared_type(snowflake_type(column))
+
+    def bindings(self) -> PositionalBindings:
+        return PositionalBindings()
+
+    def as_text(self, expression: str) -> str:
+        return f"CAST({expression} AS VARCHAR)"
+
+    def concat(self, parts: Sequence[str]) -> str:
+        return " || ".join(parts)
+
+    def md5_hex(self, expression: str) -> str:
+        return f"MD5({expression})"
+
+    def newest_rows(self, names: TableNames) -> str:
+        """Each key's newest stored row, tombstones included.
+
+        A key is normally stored once (every write is a MERGE), but two MERGEs that insert the same
+        new key at once, a stream batch and a snapshot partition say, may both insert it where the
+        engine does not serialize them (fakesnow does not); later MERGEs then update every copy.
+        Picking the newest copy before filtering tombstones keeps a deleted row deleted either way.
+        """
+        return (f"(SELECT * FROM {names.live} QUALIFY ROW_NUMBER() OVER (PARTITION BY {self.key_order(names.table)} "
+                f"ORDER BY {quote(VERSION_COLUMN)} DESC) = 1)")
+
+    def stage_reference(self, names: TableNames, name: str) -> str:
+        # Temporary tables live in the connection's current schema (the target's, see SnowflakeTarget).
+        return quote(name)
+
+    def key_filter(self, table: TableSchema, keys: Sequence[tuple[str, ...]], bind: Bindings) -> str:
+        """Each key as a tuple of bound texts, converted like any incoming value."""
+        assert isinstance(bind, PositionalBindings)
+        key_columns = table.key_columns
+        tuples = ", ".join(
+            "(" + ", ".join(mapping_for(c).snowflake.convert(bind.bind(value)) for c, value in zip(key_columns, key,
+                                                                                                   strict=True)) + ")"
+            for key in keys
         )
-    clashes = [c.name for c in table.columns if c.name in META_COLUMNS]
-    if clashes:
-        raise TargetError(f"{table.schema}.{table.table}: column names {clashes} are reserved for Siphon's own columns")
+        columns = self.key_order(table)
+        if len(key_columns) > 1:
+            columns = f"({columns})"
+        return f"{columns} IN ({tuples})"
+
+    def tombstone_all(self, target: str, table: TableSchema, version: int) -> Statement:
+        """An UPDATE: every row older than the truncate becomes a tombstone carrying its version."""
+        bind = self.bindings()
+        return bind.statement(
+            f"UPDATE {target} SET {quote(DELETED_COLUMN)} = TRUE, "
+            f"{quote(VERSION_COLUMN)} = {bind.version(version)}, {quote(SYNCED_AT_COLUMN)} = {NOW} "
+            f"WHERE {quote(VERSION_COLUMN)} < {bind.version(version)}"
+        )
+
+    def swap(self, names: TableNames) -> str:
+        # One atomic step on Snowflake: readers of the view see the old or the new table.
+        return f"ALTER TABLE {names.live} SWAP WITH {names.shadow}"
+
+    def swap_by_renames(self, names: TableNames, retired: str) -> list[str]:
+        # Snowflake-compatible engines without SWAP WITH (fakesnow): three renames.
+        return [f"ALTER TABLE {names.live} RENAME TO {retired}", f"ALTER TABLE {names.shadow} RENAME TO {names.live}",
+                f"ALTER TABLE {retired} RENAME TO {names.shadow}"]
 
 
-def column_definition(column: SourceColumn) -> str:
-    # Only key columns are NOT NULL: a tombstone carries its key and NULL elsewhere.
-    not_null = " NOT NULL" if column.primary_key else ""
-    return f"{quote(column.name)} {snowflake_type(column)}{not_null}"
+dialect = SnowflakeDialect()
 
 
 def backfill_column_name(column: str) -> str:
@@ -87,54 +158,10 @@ def backfill_column_name(column: str) -> str:
     return f"_siphon_backfill_{column}"
 
 
-def create_table(target: str, table: TableSchema) -> str:
-    columns = [column_definition(c) for c in table.columns]
-    columns += [f"{quote(name)} {kind} NOT NULL" for name, kind in META_TYPES.items()]
-    return f"CREATE TABLE IF NOT EXISTS {target} ({', '.join(columns)})"
-
-
-def view_columns(table: TableSchema) -> list[str]:
-    return [*table.column_names, VERSION_COLUMN, SYNCED_AT_COLUMN]
-
-
-def create_truncations(names: TableNames) -> str:
-    return f"CREATE TABLE IF NOT EXISTS {names.truncations} ({quote(VERSION_COLUMN)} {VERSION_TYPE} NOT NULL)"
-
-
-def record_truncation(names: TableNames) -> str:
-    return f"INSERT INTO {names.truncations} ({quote(VERSION_COLUMN)}) SELECT CAST(? AS {VERSION_TYPE})"
-
-
-def create_view(names: TableNames) -> str:
-    """Current rows: each key's newest row, when it is not a tombstone and is newer than the latest
-    TRUNCATE.
-
-    A key is normally stored once (every write is a MERGE), but two MERGEs that insert the same new
-    key at once, a stream batch and a snapshot partition say, may both insert it where the engine
-    does not serialize them (fakesnow does not); later MERGEs then update every copy. Picking the
-    newest copy before filtering tombstones keeps a deleted row deleted either way.
-    """
-    selected = ", ".join(quote(name) for name in view_columns(names.table))
-    version = quote(VERSION_COLUMN)
-    newest = (f"SELECT * FROM {names.live} QUALIFY ROW_NUMBER() OVER (PARTITION BY {key_order(names.table)} "
-              f"ORDER BY {version} DESC) = 1")
-    return (
-        f"CREATE OR REPLACE VIEW {names.view} AS SELECT {selected} FROM ({newest}) "
-        f"WHERE NOT {quote(DELETED_COLUMN)} AND {version} > (SELECT COALESCE(MAX({version}), 0) FROM {names.truncations})"
-    )
-
-
-def create_stage(stage: str, table: TableSchema) -> str:
-    columns = [f"{quote(stage_column(i))} VARCHAR" for i in range(len(table.columns))]
-    columns += [f"{quote(STAGE_VERSION)} VARCHAR", f"{quote(STAGE_DELETED)} BOOLEAN"]
-    return f"CREATE TEMPORARY TABLE {quote(stage)} ({', '.join(columns)})"
-
-
 def insert_stage(stage: str, table: TableSchema, rows: int) -> str:
-    width = len(table.columns) + 2
-    names = [quote(stage_column(i)) for i in range(len(table.columns))] + [quote(STAGE_VERSION), quote(STAGE_DELETED)]
-    row = "(" + ", ".join(["?"] * width) + ")"
-    return f"INSERT INTO {quote(stage)} ({', '.join(names)}) VALUES " + ", ".join([row] * rows)
+    names = ", ".join(quote(name) for name in staging_names(table))
+    row = "(" + ", ".join(["?"] * (len(table.columns) + 2)) + ")"
+    return f"INSERT INTO {stage} ({names}) VALUES " + ", ".join([row] * rows)
 
 
 def merge(target: str, stage: str, table: TableSchema) -> str:
@@ -152,7 +179,7 @@ def merge(target: str, stage: str, table: TableSchema) -> str:
     partition = ", ".join(mapping_for(c).snowflake.convert(quote(stage_column(i))) for i, c in keys)
     source = (
         f"SELECT {', '.join(converted)}, {version} AS {quote('sv')}, {quote(STAGE_DELETED)} AS {quote('sd')} "
-        f"FROM {quote(stage)} QUALIFY ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY {version} DESC) = 1"
+        f"FROM {stage} QUALIFY ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY {version} DESC) = 1"
     )
     on = " AND ".join(f"t.{quote(c.name)} = s.{quote(f's{i}')}" for i, c in keys)
     updates = [f"{quote(c.name)} = s.{quote(f's{i}')}" for i, c in enumerate(table.columns) if not c.primary_key]
@@ -161,7 +188,7 @@ def merge(target: str, stage: str, table: TableSchema) -> str:
         f"{quote(DELETED_COLUMN)} = s.{quote('sd')}",
         f"{quote(SYNCED_AT_COLUMN)} = {NOW}",
     ]
-    insert_columns = [quote(c.name) for c in table.columns] + [quote(name) for name in META_TYPES]
+    insert_columns = [quote(c.name) for c in table.columns] + [quote(name) for name in dialect.meta_types]
     insert_values = [f"s.{quote(f's{i}')}" for i in range(len(table.columns))]
     insert_values += [f"s.{quote('sv')}", f"s.{quote('sd')}", NOW]
     return (
@@ -169,37 +196,6 @@ def merge(target: str, stage: str, table: TableSchema) -> str:
         f"WHEN MATCHED AND s.{quote('sv')} > t.{quote(VERSION_COLUMN)} THEN UPDATE SET {', '.join(updates)} "
         f"WHEN NOT MATCHED THEN INSERT ({', '.join(insert_columns)}) VALUES ({', '.join(insert_values)})"
     )
-
-
-def tombstone_all(target: str) -> str:
-    """TRUNCATE: every row older than the truncate becomes a tombstone carrying its version.
-
-    Rows already deleted take the newer version too, so a replayed change older than the truncate
-    cannot revive them.
-    """
-    return (
-        f"UPDATE {target} SET {quote(DELETED_COLUMN)} = TRUE, "
-        f"{quote(VERSION_COLUMN)} = CAST(? AS {VERSION_TYPE}), {quote(SYNCED_AT_COLUMN)} = {NOW} "
-        f"WHERE {quote(VERSION_COLUMN)} < CAST(? AS {VERSION_TYPE})"
-    )
-
-
-def rendered_columns(table: TableSchema, names: list[str]) -> list[str]:
-    return [mapping_for(table.column(name)).snowflake.render(quote(name)) for name in names]
-
-
-def key_order(table: TableSchema) -> str:
-    return ", ".join(quote(c.name) for c in table.key_columns)
-
-
-def key_filter(table: TableSchema, count: int) -> str:
-    """`WHERE` on the key for `count` keys given as text (converted like any incoming value)."""
-    keys = table.key_columns
-    converted = "(" + ", ".join(mapping_for(c).snowflake.convert("?") for c in keys) + ")"
-    if len(keys) == 1:
-        return f"{quote(keys[0].name)} IN ({', '.join([converted] * count)})"
-    columns = "(" + ", ".join(quote(c.name) for c in keys) + ")"
-    return f"{columns} IN ({', '.join([converted] * count)})"
 
 
 def normalized_type(data_type: str, precision: int | None, scale: int | None) -> str:

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 from snowflake.connector.errors import Error as SnowflakeError
 
 from siphon_dagster.targets.base import TableSchema
-from siphon_dagster.targets.snowflake_sql import STAGE_DELETED, STAGE_VERSION, quote, stage_column
+from siphon_dagster.targets.snowflake_sql import quote
+from siphon_dagster.targets.sql_dialect import staging_names
 
 # How a batch reached the staging table (a target's `last_load_path`).
 STAGE_PATH = "stage"
@@ -36,10 +37,6 @@ FILE_BYTES = 256 * 1024 * 1024
 # Snowflake's "SQL access control error: Insufficient privileges to operate on schema ...".
 _ACCESS_CONTROL_ERRNO = 3001
 _ACCESS_CONTROL_SQLSTATE = "42501"
-
-
-def staging_names(table: TableSchema) -> list[str]:
-    return [stage_column(i) for i in range(len(table.columns))] + [STAGE_VERSION, STAGE_DELETED]
 
 
 def staging_batch(table: TableSchema, rows: pa.Table) -> pa.Table:
@@ -143,7 +140,8 @@ def put(local_file: Path, stage: str, directory: str) -> str:
 
 
 def copy_into(staging_table: str, table: TableSchema, stage: str, directory: str) -> str:
-    """Moves a load's files into the staging table, column by column by name, as they are.
+    """Moves a load's files into the staging table (a reference, quoted), column by column by name,
+    as they are.
 
     `NULL_IF = ()`: no text stands for NULL (Parquet marks NULLs itself), so a value such as `\\N`
     stays text.
@@ -152,7 +150,7 @@ def copy_into(staging_table: str, table: TableSchema, stage: str, directory: str
     kinds = ["VARCHAR"] * (len(names) - 1) + ["BOOLEAN"]
     selected = ", ".join(f"$1:{quote(name)}::{kind}" for name, kind in zip(names, kinds, strict=True))
     return (
-        f"COPY INTO {quote(staging_table)} ({', '.join(quote(n) for n in names)}) "
+        f"COPY INTO {staging_table} ({', '.join(quote(n) for n in names)}) "
         f"FROM (SELECT {selected} FROM @{quote(stage)}/{directory}/) "
         "FILE_FORMAT = (TYPE = PARQUET NULL_IF = ()) PURGE = TRUE"
     )

@@ -52,6 +52,6 @@ def test_statements_quote_every_name_and_keep_text_as_text() -> None:
     assert stage.create_stage('my "stage"') == 'CREATE TEMPORARY STAGE "my ""stage"""'
     assert stage.put(Path("/tmp/it's/part-00000.parquet"), "s", "d1") == (
         "PUT 'file:///tmp/it\\'s/part-00000.parquet' @\"s\"/d1/ AUTO_COMPRESS = FALSE")
-    assert stage.copy_into("t", TABLE, "s", "d1") == (
+    assert stage.copy_into('"t"', TABLE, "s", "d1") == (
         'COPY INTO "t" ("c0", "c1", "_v", "_d") FROM (SELECT $1:"c0"::VARCHAR, $1:"c1"::VARCHAR, '
         '$1:"_v"::VARCHAR, $1:"_d"::BOOLEAN FROM @"s"/d1/) FILE_FORMAT = (TYPE = PARQUET NULL_IF = ()) PURGE = TRUE')
