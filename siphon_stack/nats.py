@@ -59,6 +59,9 @@ class NatsServer:
     # each with its PERMISSIONS.
     tls: StackCertificates | None = None
     users: dict[str, str] = field(default_factory=dict, repr=False)
+    # Any other login settings, appended as they are: an `authorization` block of nkey users, or an
+    # operator and its account resolver (decentralized authentication with creds files).
+    login_block: str = field(default="", repr=False)
 
     @property
     def url(self) -> str:
@@ -96,10 +99,10 @@ jetstream {{
   max_memory_store: 256MB
   max_file_store: 20GB
 }}
-{self._security_block()}"""
+{self._security_block()}{self.login_block}"""
         )
-        if self.tls is not None:
-            config.chmod(0o600)  # it holds the users' passwords
+        if self.tls is not None or self.login_block:
+            config.chmod(0o600)  # it holds the users' passwords or keys
         return config
 
     def start(self, timeout: float = 30.0) -> int:
