@@ -1,9 +1,10 @@
 """NATS logins other than a password, against a real nats-server: an nkey seed
 (`queue.nkey_seed_file`, the server lists the users' public keys) and a creds file
 (`queue.creds_file`, decentralized authentication: an operator, an account and user JWTs). Each side
-logs in as its own user holding exactly its permissions (`siphon_stack.nats.PERMISSIONS`); the
-producer publishes, snapshots and a streaming run bring a table into ClickHouse; an unknown key is
-refused at once, in one line that names NATS and the URL."""
+logs in as its own user holding exactly its permissions (`siphon_stack.nats.PERMISSIONS`, the
+README's) and connects to PostgreSQL as the README's least-privilege role; the producer publishes,
+snapshots and a streaming run bring a table into ClickHouse, and the server denies nothing. An
+unknown key is refused at once, in one line that names NATS and the URL."""
 
 from __future__ import annotations
 
@@ -19,14 +20,16 @@ import psycopg
 import pytest
 import yaml
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from siphon_core import naming
 from siphon_core.config import load_config, parse_config
 from siphon_core.queue import JetStreamQueue, QueueError
 from siphon_dagster import source
+from siphon_dagster.checks.command import run_checks, selected_keys, status_line
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.partitions import ranges_for
-from siphon_dagster.specs import table_specs
+from siphon_dagster.specs import group_name, table_specs
 from siphon_stack.nats import PERMISSIONS, NatsServer
 from siphon_stack.process import free_port, stop_pid
 from tests.helpers.nats_identities import Operator, new_seed, nkey_users_block
@@ -42,6 +45,7 @@ class Logins:
     stranger whose key the server does not know."""
 
     url: str
+    log_path: Path
     producer: dict[str, str]
     dagster: dict[str, str]
     stranger: dict[str, str]
@@ -80,9 +84,39 @@ def logins(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     server = NatsServer(root / "server", free_port(), free_port(), login_block=block)
     pid = server.start()
     try:
-        yield Logins(server.url, queues["producer"], queues["dagster"], queues["stranger"], seeds)
+        yield Logins(server.url, server.log_path, queues["producer"], queues["dagster"], queues["stranger"], seeds)
     finally:
         stop_pid(pid)
+
+
+@pytest.fixture
+def roles(postgres_dsn: str, unique_name: str) -> Iterator[dict[str, str]]:
+    """A schema with one table, the README's two roles ("PostgreSQL roles") and the publication,
+    created by the table's owner; the roles' DSNs."""
+    schema, items = sql.Identifier(unique_name), sql.Identifier(unique_name, "items")
+    names = {"producer": f"{unique_name}_producer", "reader": f"{unique_name}_reader"}
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        database = sql.Identifier(connection.info.dbname)
+        connection.execute(sql.SQL("create schema {}").format(schema))
+        connection.execute(sql.SQL("create table {} (id bigint primary key, title text, qty integer)").format(items))
+        connection.execute(sql.SQL("insert into {} select g, 'item ' || g, g from generate_series(1, %s::int) g"
+                                   ).format(items), (ROWS,))
+        for role in map(sql.Identifier, names.values()):
+            connection.execute(sql.SQL("create role {} login replication").format(role))
+            connection.execute(sql.SQL("grant connect on database {} to {}").format(database, role))
+            connection.execute(sql.SQL("grant usage on schema {} to {}").format(schema, role))
+            connection.execute(sql.SQL("grant select on {} to {}").format(items, role))
+        connection.execute(sql.SQL("create publication {} for table {} with (publish_via_partition_root = true)"
+                                   ).format(sql.Identifier(naming.publication_name(unique_name)), items))
+    try:
+        yield {kind: make_conninfo(postgres_dsn, user=role) for kind, role in names.items()}
+    finally:
+        drop_application(postgres_dsn, None, unique_name)
+        with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+            connection.execute(sql.SQL("drop schema {} cascade").format(schema))
+            for role in map(sql.Identifier, names.values()):
+                connection.execute(sql.SQL("drop owned by {}").format(role))
+                connection.execute(sql.SQL("drop role {}").format(role))
 
 
 def side_config(logins: Logins, login: dict[str, str], dsn: str, identifier: str, **extra: Any) -> dict[str, Any]:
@@ -92,26 +126,23 @@ def side_config(logins: Logins, login: dict[str, str], dsn: str, identifier: str
     return {**config, **extra}
 
 
-def test_producer_and_dagster_side_stream_with_their_own_keys(logins: Logins, postgres_dsn: str, clickhouse_url: str,
-                                                              unique_name: str, tmp_path: Path) -> None:
+def test_each_side_streams_with_its_own_key_and_least_privileges(logins: Logins, roles: dict[str, str],
+                                                                   postgres_dsn: str, clickhouse_url: str,
+                                                                   unique_name: str, tmp_path: Path) -> None:
     items = sql.Identifier(unique_name, "items")
-    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
-        connection.execute(sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
-        connection.execute(sql.SQL("create table {} (id bigint primary key, title text, qty integer)").format(items))
-        connection.execute(sql.SQL("insert into {} select g, 'item ' || g, g from generate_series(1, %s::int) g"
-                                   ).format(items), (ROWS,))
-    producer = ProducerProcess(tmp_path / "producer", side_config(logins, logins.producer, postgres_dsn, unique_name))
+    producer = ProducerProcess(tmp_path / "producer", side_config(logins, logins.producer, roles["producer"],
+                                                                  unique_name))
     dagster_path = tmp_path / "siphon.yaml"
     dagster_path.write_text(yaml.safe_dump(side_config(
-        logins, logins.dagster, postgres_dsn, unique_name, targets={"clickhouse": {"url": clickhouse_url,
-                                                                                    "database": unique_name}},
+        logins, logins.dagster, roles["reader"], unique_name, targets={"clickhouse": {"url": clickhouse_url,
+                                                                                       "database": unique_name}},
         streaming={"batch_max_wait_seconds": 0.3})))
     config = load_config(dagster_path)
     try:
         producer.start(timeout=60)
         defs, specs = build_definitions(config), table_specs(config)
         with dg.instance_for_test() as instance:
-            with source.connect(postgres_dsn) as connection:
+            with source.connect(roles["reader"]) as connection:
                 size = source.table_size(connection, specs[0].table)
             keys = [r.key for r in ranges_for(size.blocks, specs[0].table.blocks_per_partition)]
             instance.add_dynamic_partitions(specs[0].partitions_def_name, keys)
@@ -135,6 +166,10 @@ def test_producer_and_dagster_side_stream_with_their_own_keys(logins: Logins, po
 
             wait_until(caught_up, 60, "producer caught up")
             run_stream_jobs(defs, specs, instance, drain=True)
+            # The checks read the queue (consumer positions, single messages) and the source too.
+            evaluations = run_checks(defs, group_name(unique_name), selected_keys(config, None, None), instance)
+            assert evaluations
+            assert all(e.passed for e in evaluations), [status_line(e) for e in evaluations]
         with psycopg.connect(postgres_dsn) as connection:
             table = source.table_schema(connection, config.tables[0])
         target = build_resources(config)["clickhouse_target"].open_target()
@@ -147,9 +182,10 @@ def test_producer_and_dagster_side_stream_with_their_own_keys(logins: Logins, po
         assert producer.stop() == 0
         log = producer.log().encode()
         assert not [seed for seed in logins.secrets if seed in log]
+        denied = [line for line in logins.log_path.read_text().splitlines() if "Violation" in line]
+        assert not denied
     finally:
         producer.ensure_stopped()
-        drop_application(postgres_dsn, None, unique_name)
 
 
 def test_an_unknown_key_is_refused_at_once_in_one_line(logins: Logins, postgres_dsn: str, unique_name: str,

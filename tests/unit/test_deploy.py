@@ -477,6 +477,22 @@ def test_the_nats_configuration_is_accepted_and_names_the_applications_subjects(
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_nats_users_hold_exactly_the_permissions_the_code_declares(monkeypatch: pytest.MonkeyPatch) -> None:
+    from siphon_stack.nats import permissions
+
+    app = embedded_config("kubernetes/dagster-config.yaml", "siphon-config", monkeypatch).application_identifier
+    expected = permissions(naming.stream_name(app), app)
+    accounts = (DEPLOY / "nats" / "accounts.conf").read_text()
+    blocks = re.split(r"^\s*user:\s*siphon-", accounts, flags=re.MULTILINE)[1:]
+    found = {}
+    for block in blocks:
+        name = block.split(None, 1)[0]
+        found[name] = {kind: {"allow": re.findall(r'"([^"]+)"', re.search(
+            kind + r":\s*\{\s*allow:\s*\[(.*?)\]", block, re.DOTALL).group(1))}
+            for kind in ("publish", "subscribe")}
+    assert found == expected
+
+
 # -- metrics, alerts and the dashboard ---------------------------------------------------------
 
 # Series from outside Siphon that the rules and the dashboard may use, and where they come from.
