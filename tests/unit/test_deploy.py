@@ -192,6 +192,11 @@ def test_the_image_copies_what_exists_and_installs_the_commands_it_runs() -> Non
     modules = [args[args.index("-m") + 1] for args in (command, code_server)]
     for module in modules:
         assert module.split(".")[0] in copied and importlib.util.find_spec(module), module
+    # numba's cache directory itself belongs to the image's user, after the virtual environment is
+    # copied (else every process compiles the loops again).
+    cache = "/opt/siphon/venv/lib/python3.11/site-packages/siphon_core/wire/__pycache__"
+    venv = next(i for i, (kw, rest) in enumerate(final) if kw == "COPY" and rest.endswith(" /opt/siphon/venv"))
+    assert any(kw == "RUN" and "chown" in rest and cache in rest for kw, rest in final[venv + 1:])
     # Each role's entry point starts and answers --help without a configuration or a service.
     for argv in ([sys.executable, "-m", "producer_service.cli", "--help"],
                  [sys.executable, "-m", "dagster", "code-server", "start", "--help"]):
