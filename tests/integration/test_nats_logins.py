@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import nkeys
 import psycopg
 import pytest
 import yaml
@@ -69,7 +70,7 @@ def creds_logins(root: Path) -> tuple[str, dict[str, dict[str, str]], list[bytes
              for name in ("producer", "dagster")}
     # Signed by an account the server's operator never issued.
     files["stranger"] = operator.user_creds(root / "stranger.creds", "stranger", PERMISSIONS["producer"],
-                                            account_seed=new_seed(0))
+                                            account_seed=new_seed(nkeys.PREFIX_BYTE_ACCOUNT))
     seeds = [line.encode() for path in files.values() for line in path.read_text().splitlines()
              if line.startswith("SU")]
     return operator.server_block(), {name: {"creds_file": str(path)} for name, path in files.items()}, seeds
