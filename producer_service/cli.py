@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as error:
-        print(f"siphon-producer: invalid configuration:\n{error}", file=sys.stderr)
+        # One line for one problem (a setting, a credentials file); a list for several.
+        text = str(error)
+        separator = "\n" if "\n" in text else " "
+        print(f"siphon-producer: invalid configuration:{separator}{text}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(run_until_stopped(config, args.accept_slot_loss, args.config))

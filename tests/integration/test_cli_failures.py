@@ -65,49 +65,58 @@ def base_config(env: dict[str, str], identifier: str, nats_user: str = "dagster"
 
 # Each fault changes siphon.yaml or the passwords in the environment, and returns what the answer
 # must name.
-Fault = Callable[[dict, dict], str]
+Fault = Callable[[dict, dict, Path], str]
 
 
-def unreachable_postgres(config: dict, env: dict) -> str:
+def unreachable_postgres(config: dict, env: dict, directory: Path) -> str:
     port = free_port()
     config["source"]["dsn"] = re.sub(r":\d+/", f":{port}/", config["source"]["dsn"])
     return f"port {port}"
 
 
-def unreachable_nats(config: dict, env: dict) -> str:
+def unreachable_nats(config: dict, env: dict, directory: Path) -> str:
     config["queue"]["url"] = f"tls://127.0.0.1:{free_port()}"
     return f"NATS at {config['queue']['url']}"
 
 
-def unreachable_clickhouse(config: dict, env: dict) -> str:
+def unreachable_clickhouse(config: dict, env: dict, directory: Path) -> str:
     config["targets"]["clickhouse"]["url"] = f"https://127.0.0.1:{free_port()}"
     return f"cannot reach {config['targets']['clickhouse']['url']}"
 
 
-def wrong_postgres_password(config: dict, env: dict) -> str:
+def wrong_postgres_password(config: dict, env: dict, directory: Path) -> str:
     env["SIPHON_PG_PASSWORD"] = WRONG
     return "password authentication failed"
 
 
-def wrong_nats_password(config: dict, env: dict) -> str:
+def wrong_nats_password(config: dict, env: dict, directory: Path) -> str:
     env[f"SIPHON_NATS_{config['queue']['user'].upper()}_PASSWORD"] = WRONG
     return f"NATS at {config['queue']['url']} refused the login"
 
 
-def wrong_clickhouse_password(config: dict, env: dict) -> str:
+def wrong_clickhouse_password(config: dict, env: dict, directory: Path) -> str:
     env["SIPHON_CLICKHOUSE_PASSWORD"] = WRONG
     return config["targets"]["clickhouse"]["url"]
 
 
-def unknown_table(config: dict, env: dict) -> str:
+def unknown_table(config: dict, env: dict, directory: Path) -> str:
     """A table siphon.yaml does not have (the command names it)."""
     return "cli_failures.nowhere"
 
 
-def table_missing_at_the_source(config: dict, env: dict) -> str:
+def table_missing_at_the_source(config: dict, env: dict, directory: Path) -> str:
     """A table siphon.yaml has and the source does not."""
     config["tables"][0]["name"] = "cli_failures.nowhere"
     return "cli_failures.nowhere"
+
+
+def malformed_seed_file(config: dict, env: dict, directory: Path) -> str:
+    """An nkey seed file holding no seed (a public key pasted instead): refused with the settings."""
+    path = directory / "user.nk"
+    path.write_text("UDXU4RCSJNZOIQHZNWXHXORDPRTGNJAHAHFRGZNEEJCPQTT2M7NLCNF4\n")
+    config["queue"] = {"url": config["queue"]["url"], "tls_ca_file": config["queue"]["tls_ca_file"],
+                       "nkey_seed_file": str(path)}
+    return f"queue.nkey_seed_file: Value error, file '{path}' holds no valid user nkey seed"
 
 
 DAGSTER = [sys.executable, "-m", "siphon_dagster.cli"]
@@ -143,6 +152,8 @@ CASES: list[tuple[str, list[str], Fault]] = [
     ("dagster-check-unreachable-postgres", [*DAGSTER, "check"], unreachable_postgres),
     ("dagster-check-unreachable-clickhouse", [*DAGSTER, "check"], unreachable_clickhouse),
     ("dagster-check-wrong-clickhouse-password", [*DAGSTER, "check"], wrong_clickhouse_password),
+    ("dagster-check-malformed-seed-file", [*DAGSTER, "check"], malformed_seed_file),
+    ("producer-malformed-seed-file", PRODUCER, malformed_seed_file),
     ("producer-unknown-table", PRODUCER, table_missing_at_the_source),
     ("producer-unreachable-postgres", PRODUCER, unreachable_postgres),
     ("producer-wrong-postgres-password", PRODUCER, wrong_postgres_password),
@@ -160,7 +171,7 @@ def test_a_command_answers_a_fault_with_one_line_naming_it(secured: dict[str, st
     config["producer"].update(connect_retries=0, publish_retry_seconds=5)
     config["checks"] = {"settle_timeout_seconds": 3}
     env = {key: secured[key] for key in PASSWORDS}
-    named = fault(config, env)
+    named = fault(config, env, tmp_path)
     if producer:  # the producer's siphon.yaml has no targets
         config.pop("targets")
         config["tables"] = [{"name": table["name"]} for table in config["tables"]]
@@ -190,7 +201,7 @@ def test_a_command_answers_a_fault_with_one_line_naming_it(secured: dict[str, st
     if producer:
         # Its log lines are structured; one error says why it stopped.
         answers = [line for line in output.splitlines() if "level=error" in line or line.startswith("siphon-producer:")]
-    elif argv[len(DAGSTER)] == "check" and fault is not unknown_table:
+    elif argv[len(DAGSTER)] == "check" and fault not in (unknown_table, malformed_seed_file):
         lines = [line for line in output.splitlines() if line.strip()]
         assert all(line.split()[0] in ("PASS", "FAIL", "WARN") for line in lines), lines
         answers = [line for line in lines if named in line][:1]
