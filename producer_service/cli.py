@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 import psycopg
 
@@ -27,12 +28,31 @@ _TRANSIENT = (psycopg.OperationalError, ReplicationError, QueueError, Connection
 
 
 class _NatsClientLines(logging.Handler):
-    """nats-py logs every failed reconnect attempt with a traceback, several a second while NATS is
-    away; one structured line each keeps the reason the producer stops findable."""
+    """nats-py logs every failed reconnect attempt with a traceback, two a second while NATS is
+    away; one structured line per new error, and the same error again at most every 30 s, keep the
+    reason findable without burying the line that says why the producer stopped."""
+
+    repeat_seconds = 30.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: tuple[str, str] | None = None
+        self._last_at = 0.0
+        self._repeats = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         error = record.exc_info[1] if record.exc_info else None
-        log.warning(record.getMessage(), source="nats-py", error=repr(error) if error is not None else "")
+        line = (record.getMessage(), repr(error) if error is not None else "")
+        now = time.monotonic()
+        extra = {}
+        if line == self._last:
+            if now - self._last_at < self.repeat_seconds:
+                self._repeats += 1
+                return
+            extra = {"repeated_since_last_line": self._repeats}
+        self._repeats = 0
+        self._last, self._last_at = line, now
+        log.warning(line[0], source="nats-py", error=line[1], **extra)
 
 
 async def run_until_stopped(config: SiphonConfig, accept_slot_loss: bool = False,
@@ -99,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as error:
-        print(f"siphon-producer: invalid configuration:\n{error}", file=sys.stderr)
+        # One line for one problem (a setting, a credentials file); a list for several.
+        text = str(error)
+        separator = "\n" if "\n" in text else " "
+        print(f"siphon-producer: invalid configuration:{separator}{text}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(run_until_stopped(config, args.accept_slot_loss, args.config))

@@ -6,6 +6,7 @@ the file). Every error names the file, the table (when there is one) and the key
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from pathlib import Path
@@ -43,6 +44,40 @@ def _readable_file(value: str | None) -> str | None:
     if not os.access(path, os.R_OK):
         raise ValueError(f"file '{value}' is not readable by this process")
     return str(path)
+
+
+# --- NATS login files: their content is checked when the configuration is read ----------------------
+def _nkey_seed_file(value: str | None) -> str | None:
+    """A file holding a user's nkey seed (`SU...`, as `nsc` or `nk -gen user` writes it). A file
+    that holds none would fail every connection, and be retried as if NATS were away."""
+    value = _readable_file(value)
+    if value is not None and not any(_is_user_seed(line) for line in Path(value).read_bytes().split()):
+        raise ValueError(f"file '{value}' holds no valid user nkey seed (a line starting with SU)")
+    return value
+
+
+def _creds_file(value: str | None) -> str | None:
+    """A creds file as `nsc generate creds` writes it: the user's JWT, then its seed."""
+    value = _readable_file(value)
+    if value is not None:
+        text = Path(value).read_bytes()
+        if b"BEGIN NATS USER JWT" not in text or not any(_is_user_seed(line) for line in text.split()):
+            raise ValueError(f"file '{value}' is not a NATS creds file (a user JWT block, then a user nkey seed)")
+    return value
+
+
+def _is_user_seed(word: bytes) -> bool:
+    """Base32 of a prefix, 32 bytes and their CRC-16, which catches a typo (nkeys does not check it)."""
+    import nkeys  # nats-py's nkeys extra, which both logins need
+
+    if not word.startswith(b"SU"):
+        return False
+    try:
+        decoded = base64.b32decode(word + b"=" * (-len(word) % 8))
+    except ValueError:
+        return False
+    return len(decoded) == 36 and nkeys.crc16_checksum(decoded[:-2]) == decoded[-2:]
+# --- end of the NATS login files ---------------------------------------------------------------------
 
 
 class _Model(BaseModel):
@@ -136,8 +171,9 @@ class QueueConfig(_Model):
     nkey_seed_file: str | None = None
     creds_file: str | None = None
 
-    _files = field_validator("tls_ca_file", "tls_cert_file", "tls_key_file", "nkey_seed_file",
-                             "creds_file")(_readable_file)
+    _files = field_validator("tls_ca_file", "tls_cert_file", "tls_key_file")(_readable_file)
+    _nkey_seed = field_validator("nkey_seed_file")(_nkey_seed_file)
+    _creds = field_validator("creds_file")(_creds_file)
 
     @model_validator(mode="after")
     def _one_way_to_log_in(self) -> QueueConfig:

@@ -8,6 +8,7 @@ before it sends anything, and checks its transport once connected.
 
 from __future__ import annotations
 
+import logging
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,26 @@ class QueueLogin:
         return options
 
     def client(self) -> Client:
-        return TlsOnlyClient() if self.require_tls else Client()
+        if not self.require_tls:
+            return Client()
+        _quiet_tls_eof_notice()
+        return TlsOnlyClient()
+
+
+# asyncio warns, in a line of its own, whenever a TLS server closes a connection whose protocol
+# (nats-py's transport) would keep it half-open; a refused login ends that way, and the line would
+# stand beside the error that says why.
+_TLS_EOF_NOTICE = "returning true from eof_received() has no effect when using ssl"
+
+
+def _drop_tls_eof_notice(record: logging.LogRecord) -> bool:
+    return record.getMessage() != _TLS_EOF_NOTICE
+
+
+def _quiet_tls_eof_notice() -> None:
+    asyncio_log = logging.getLogger("asyncio")
+    if _drop_tls_eof_notice not in asyncio_log.filters:
+        asyncio_log.addFilter(_drop_tls_eof_notice)
 
 
 class TlsOnlyClient(Client):

@@ -20,6 +20,7 @@ from siphon_core import naming
 from siphon_core.config import ConfigError, SiphonConfig, load_config, load_config_from_environment
 from siphon_core.redaction import redact_dsn
 from siphon_dagster import source
+from siphon_dagster.cli_errors import SERVICE_ERRORS, one_line, quiet_libraries
 from siphon_dagster.cli_runs import RUN_COMMANDS, add_run_commands, run_command  # snapshot, resync, repair
 from siphon_dagster.sensors import partition_requests
 from siphon_dagster.specs import TableSpec, table_specs
@@ -27,7 +28,18 @@ from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema
 
 
+# --- a failing service or login is one line, never a traceback ----------------------------------
 def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
+    try:
+        return _main(argv)
+    except SERVICE_ERRORS as error:
+        print(f"siphon-dagster: {one_line(error)}", file=sys.stderr)
+        return 1
+# --- end of the failure handling -------------------------------------------------------------------
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="siphon-dagster", description=__doc__)
     parser.add_argument("--config", help="siphon.yaml (default: $SIPHON_CONFIG)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except psycopg.OperationalError as error:
             print(f"siphon-dagster: cannot reach the source at {redact_dsn(config.source.dsn)}: "
-                  f"{str(error).strip().splitlines()[-1]}", file=sys.stderr)
+                  f"{one_line(error).removeprefix('PostgreSQL: ')}", file=sys.stderr)
             return 1
         for request in requests:
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))

@@ -46,6 +46,15 @@ def read_keys(path: str) -> list[tuple[str, ...]]:
         raise runs.SelectionError(f"cannot read keys file {path}: {error}") from None
 
 
+def report(what: str, outcome: runs.RunOutcome) -> None:
+    """One line per run: done on stdout; failed, with the reason, on stderr."""
+    if outcome.success:
+        print(f"{what}: done (run {outcome.run_id})")
+    else:
+        print(f"siphon-dagster: {what}: FAILED (run {outcome.run_id}): {outcome.error or 'see the run'}",
+              file=sys.stderr)
+
+
 def run_command(args: argparse.Namespace, config: SiphonConfig) -> int:
     try:
         spec = runs.find_spec(config, args.table)
@@ -61,18 +70,17 @@ def run_command(args: argparse.Namespace, config: SiphonConfig) -> int:
             for target in targets:
                 for outcome in runs.snapshot(config, spec, target, spans, instance):
                     ok &= outcome.success
-                    print(f"{spec.qualified_name} at {target}, partitions {outcome.first_partition}..."
-                          f"{outcome.last_partition}: {'done' if outcome.success else 'FAILED'} (run {outcome.run_id})")
+                    report(f"{spec.qualified_name} at {target}, partitions {outcome.first_partition}..."
+                           f"{outcome.last_partition}", outcome)
             return 0 if ok else 1
         if args.command == "resync":
             outcome = runs.resync(config, spec, [args.target] if args.target else None, instance)
-            print(f"resync of {spec.qualified_name} at {', '.join(targets)}: "
-                  f"{'done' if outcome.success else 'FAILED'} (run {outcome.run_id})")
+            report(f"resync of {spec.qualified_name} at {', '.join(targets)}", outcome)
             return 0 if outcome.success else 1
         ok = True
         for target in targets:
             summary = repair_keys(config, spec, target, keys, instance)
-            print(summary.text())
+            print(summary.text(), file=sys.stdout if summary.success else sys.stderr)
             ok &= summary.success
         return 0 if ok else 1
     except (runs.SelectionError, RepairError) as error:

@@ -47,7 +47,7 @@ class RepairSummary:
         return all(run.success for run in self.runs)
 
     def text(self) -> str:
-        failed = [r.run_id for r in self.runs if not r.success]
+        failed = [f"{r.run_id} ({r.error})" if r.error else r.run_id for r in self.runs if not r.success]
         return (f"{self.table} at {self.target}: {self.keys} keys, {self.found} at the source re-snapshotted with "
                 f"{len(self.partitions)} partitions ({', '.join(self.partitions) or 'none'}) in {len(self.runs)} "
                 f"runs, {self.tombstoned} tombstoned as of {self.consistent_point or '-'}"

@@ -33,6 +33,28 @@ class RunOutcome:
     success: bool
     first_partition: str | None = None
     last_partition: str | None = None
+    error: str | None = None  # why the run failed, in one line
+
+
+# A command prints one line per run: Dagster's console lines (every event, a failure's stack trace)
+# would bury it, and the instance keeps each run's whole log.
+QUIET_CONSOLE = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+
+
+def failure_reason(result: dg.ExecuteInProcessResult) -> str | None:
+    """The first failed step's error (the exception the step raised, not Dagster's wrapper), in one line."""
+    for event in result.all_events:
+        if event.is_step_failure or event.is_run_failure:
+            error = getattr(event.event_specific_data, "error", None)
+            if error is None:
+                continue
+            if error.cls_name.startswith("Dagster") and error.cause is not None:
+                error = error.cause
+            # The message starts with the exception's (qualified) class name, as Python prints it.
+            head, colon, rest = error.message.strip().partition(": ")
+            text = rest if colon and head.rsplit(".", 1)[-1] == error.cls_name else error.message.strip()
+            return f"{error.cls_name}: " + " ".join(line.strip() for line in text.splitlines() if line.strip())
+    return None
 
 
 def find_spec(config: SiphonConfig, table: str) -> TableSpec:
@@ -112,8 +134,8 @@ def snapshot(config: SiphonConfig, spec: TableSpec, target: str, spans: list[tup
     outcomes = []
     for first, last in spans:
         tags = {RANGE_START_TAG: first, RANGE_END_TAG: last}
-        result = dg.materialize([asset], instance=instance, tags=tags, raise_on_error=False)
-        outcomes.append(RunOutcome(result.run_id, result.success, first, last))
+        result = dg.materialize([asset], instance=instance, tags=tags, raise_on_error=False, run_config=QUIET_CONSOLE)
+        outcomes.append(RunOutcome(result.run_id, result.success, first, last, failure_reason(result)))
     return outcomes
 
 
@@ -121,6 +143,7 @@ def resync(config: SiphonConfig, spec: TableSpec, targets: list[str] | None,
            instance: dg.DagsterInstance) -> RunOutcome:
     definitions = build_definitions(config)
     job = definitions.resolve_job_def(spec.resync_job_name)
-    run_config = {"ops": {resync_op_name(spec): {"config": {"targets": targets}}}} if targets else None
-    result = job.execute_in_process(run_config=run_config, instance=instance, raise_on_error=False)
-    return RunOutcome(result.run_id, result.success)
+    run_config = {"ops": {resync_op_name(spec): {"config": {"targets": targets}}}} if targets else {}
+    result = job.execute_in_process(run_config={**run_config, **QUIET_CONSOLE}, instance=instance,
+                                    raise_on_error=False)
+    return RunOutcome(result.run_id, result.success, error=failure_reason(result))

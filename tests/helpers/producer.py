@@ -163,8 +163,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
         time.sleep(interval)
 
 
-def drop_application(dsn: str, nats_url: str, application_identifier: str) -> None:
-    """Drops the slot (waiting for its walsender to go), the publication and the stream."""
+def drop_application(dsn: str, nats_url: str | None, application_identifier: str) -> None:
+    """Drops the slot (waiting for its walsender to go), the publication and the stream (unless
+    `nats_url` is None: a server of the test's own goes with its streams)."""
     slot = naming.slot_name(application_identifier)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -177,9 +178,11 @@ def drop_application(dsn: str, nats_url: str, application_identifier: str) -> No
         time.sleep(0.2)
     execute(dsn, sql.SQL("drop publication if exists {}").format(
         sql.Identifier(naming.publication_name(application_identifier))))
+    if nats_url is None:
+        return
 
     async def delete_stream() -> None:
-        connection = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=2)
+        connection = await nats.connect(str(nats_url), connect_timeout=5, max_reconnect_attempts=2)
         try:
             try:
                 await connection.jetstream().delete_stream(naming.stream_name(application_identifier))

@@ -14,6 +14,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import APIError
 
 from siphon_core import naming
+from siphon_core import queue as queue_reads
 from siphon_core.queue import JetStreamQueue, StreamSettings
 from siphon_stack.nats import find_nats_server
 from siphon_stack.process import free_port, port_accepts, start_process, stop_pid, wait_until
@@ -49,6 +50,7 @@ def test_producer_and_dagster_users_can_do_their_part_and_no_more(secured_nats: 
     subject = naming.table_subject(APPLICATION, "public", "notes")
     dead_letters = naming.dead_letter_subject(APPLICATION, "public", "notes")
     durable = naming.consumer_name("clickhouse", "public", "notes")
+    gaps = naming.gap_subject(APPLICATION)
 
     async def run() -> None:
         producer, dagster = queue(secured_nats, "siphon-producer"), queue(secured_nats, "siphon-dagster")
@@ -60,6 +62,11 @@ def test_producer_and_dagster_users_can_do_their_part_and_no_more(secured_nats: 
             await producer.ensure_stream()
             for number in range(3):
                 await producer.publish(subject, b"package %d" % number, message_id=f"test:{number}")
+            # What a producer whose slot was lost reads, and the gap record it then publishes.
+            assert await producer.last_sequence() == 3
+            assert (await producer.last_table_message())[0] == 3
+            assert await producer.last_message(gaps) is None
+            await producer.publish(gaps, b"gap", message_id="gap:1")
             # The Dagster side: stream set-up, a durable pull consumer, fetch, in-progress, ack.
             await dagster.ensure_stream()
             subscription = await dagster.pull_subscription(durable, subject)
@@ -68,6 +75,11 @@ def test_producer_and_dagster_users_can_do_their_part_and_no_more(secured_nats: 
             await first.ack_sync()
             await second.ack()
             assert await dagster.pending(durable) >= 1
+            # The gap sensor's and the checks' reads.
+            assert [data for _, data in await dagster.messages_after(gaps, 0)] == [b"gap"]
+            assert await queue_reads.last_sequence(dagster, subject) == 3
+            assert (await queue_reads.consumer_position(dagster, durable)).ack_floor >= 1
+            assert await queue_reads.oldest_after(dagster, subject, 0) is not None
             # A dead letter, as the dead_letter strategy publishes it.
             await dagster.js.publish(dead_letters, third.data, stream=dagster.settings.stream,
                                      headers={"Nats-Msg-Id": f"dead-letter:{durable}:3"})
@@ -86,13 +98,15 @@ def test_producer_and_dagster_users_can_do_their_part_and_no_more(secured_nats: 
                                                filter_subject=subject, timeout=2)
             with pytest.raises((nats.errors.Error, APIError, TimeoutError)):
                 await producer.js.consumer_info(producer.settings.stream, durable, timeout=2)
+            with pytest.raises((nats.errors.Error, APIError, TimeoutError)):
+                await producer.js.delete_stream(producer.settings.stream)
             with pytest.raises((nats.errors.Error, TimeoutError)):
                 await producer.js.publish(dead_letters, b"x", timeout=2)
             with pytest.raises((nats.errors.Error, TimeoutError)):
                 await dagster.js.publish(subject, b"x", timeout=2)
             with pytest.raises((nats.errors.Error, APIError, TimeoutError)):
                 await dagster.js.delete_stream(dagster.settings.stream)
-            assert (await dagster.js.stream_info(dagster.settings.stream)).state.messages == 4
+            assert (await dagster.js.stream_info(dagster.settings.stream)).state.messages == 5
         finally:
             await producer.close()
             await dagster.close()

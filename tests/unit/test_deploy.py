@@ -149,6 +149,61 @@ def test_the_image_is_multi_stage_non_root_and_pinned() -> None:
                for kw, rest in builder if kw == "RUN")
 
 
+def test_the_image_copies_what_exists_and_installs_the_commands_it_runs() -> None:
+    """What a build needs from the repository is there and in the build context, every package
+    `pip install .` packages is copied, and each role's command is a console script of the image."""
+    import fnmatch
+    import importlib.metadata
+    import importlib.util
+    import tomllib
+
+    instructions = dockerfile_instructions()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    copied = []
+    for keyword, rest in instructions:
+        if keyword != "COPY" or "--from=" in rest:
+            continue
+        sources = [word for word in rest.split() if not word.startswith("--")][:-1]
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}: no such file or directory in the repository"
+            assert not any(fnmatch.fnmatch(source.rstrip("/"), pattern) for pattern in ignored), \
+                f"COPY {source}: left out of the build context by .dockerignore"
+            copied.append(source.rstrip("/"))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert pattern.rstrip("*") in copied, f"package {pattern.rstrip('*')} is installed but not copied"
+    scripts = project["project"]["scripts"]
+    for name, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert module.split(".")[0] in copied, f"console script {name}: {module} is not copied"
+        assert importlib.util.find_spec(module) is not None and function, f"console script {name}: {target}"
+    # The roles' commands: the image's CMD, the producer's manifest, the Dagster chart's code server.
+    final = instructions[max(i for i, (kw, _) in enumerate(instructions) if kw == "FROM"):]
+    command = json.loads([rest for kw, rest in final if kw == "CMD"][-1])
+    producer = next(d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "producer.yaml").read_text())
+                    if d and d["kind"] == "Deployment")
+    producer_command = producer["spec"]["template"]["spec"]["containers"][0]["args"]
+    dagster_scripts = {e.name for e in importlib.metadata.distribution("dagster").entry_points
+                       if e.group == "console_scripts"}
+    for argv in (command, producer_command):
+        assert argv[0] in scripts or argv[0] in dagster_scripts, f"{argv[0]} is no console script of the image"
+    helm = yaml.safe_load((DEPLOY / "helm" / "dagster-values.yaml").read_text())
+    code_server = helm["dagster-user-deployments"]["deployments"][0]["dagsterApiGrpcArgs"]
+    modules = [args[args.index("-m") + 1] for args in (command, code_server)]
+    for module in modules:
+        assert module.split(".")[0] in copied and importlib.util.find_spec(module), module
+    # numba's cache directory itself belongs to the image's user, after the virtual environment is
+    # copied (else every process compiles the loops again).
+    cache = "/opt/siphon/venv/lib/python3.11/site-packages/siphon_core/wire/__pycache__"
+    venv = next(i for i, (kw, rest) in enumerate(final) if kw == "COPY" and rest.endswith(" /opt/siphon/venv"))
+    assert any(kw == "RUN" and "chown" in rest and cache in rest for kw, rest in final[venv + 1:])
+    # Each role's entry point starts and answers --help without a configuration or a service.
+    for argv in ([sys.executable, "-m", "producer_service.cli", "--help"],
+                 [sys.executable, "-m", "dagster", "code-server", "start", "--help"]):
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == 0 and "usage" in result.stdout.lower(), result.stdout + result.stderr
+
+
 def test_the_dockerfile_passes_hadolint() -> None:
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     if not Path(hadolint).exists():
@@ -475,6 +530,22 @@ def test_the_nats_configuration_is_accepted_and_names_the_applications_subjects(
                             env={**os.environ, "SIPHON_PRODUCER_NATS_PASSWORD": "a",
                                  "SIPHON_DAGSTER_NATS_PASSWORD": "b"})
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_nats_users_hold_exactly_the_permissions_the_code_declares(monkeypatch: pytest.MonkeyPatch) -> None:
+    from siphon_stack.nats import permissions
+
+    app = embedded_config("kubernetes/dagster-config.yaml", "siphon-config", monkeypatch).application_identifier
+    expected = permissions(naming.stream_name(app), app)
+    accounts = (DEPLOY / "nats" / "accounts.conf").read_text()
+    blocks = re.split(r"^\s*user:\s*siphon-", accounts, flags=re.MULTILINE)[1:]
+    found = {}
+    for block in blocks:
+        name = block.split(None, 1)[0]
+        found[name] = {kind: {"allow": re.findall(r'"([^"]+)"', re.search(
+            kind + r":\s*\{\s*allow:\s*\[(.*?)\]", block, re.DOTALL).group(1))}
+            for kind in ("publish", "subscribe")}
+    assert found == expected
 
 
 # -- metrics, alerts and the dashboard ---------------------------------------------------------

@@ -81,6 +81,29 @@ def test_the_queue_login_asks_for_tls_for_a_tls_url_or_a_ca_and_hides_secrets(tm
     assert not plain.require_tls and "tls" not in plain.connect_options()
 
 
+def test_nats_login_files_must_hold_a_seed_or_creds(tmp_path: Path) -> None:
+    from tests.helpers.nats_identities import Operator, new_seed
+
+    seed = new_seed()
+    good = tmp_path / "user.nk"
+    good.write_bytes(b"# a comment line\n" + seed + b"\n")
+    assert QueueConfig(nkey_seed_file=str(good)).nkey_seed_file == str(good)
+    creds = Operator().user_creds(tmp_path / "user.creds", "u", {})
+    assert QueueConfig(creds_file=str(creds)).creds_file == str(creds)
+    typo = tmp_path / "typo.nk"
+    typo.write_bytes(seed[:20] + (b"A" if seed[20:21] != b"A" else b"B") + seed[21:])
+    for path, key, said in ((typo, "nkey_seed_file", "holds no valid user nkey seed"),
+                            (creds, "nkey_seed_file", "holds no valid user nkey seed"),
+                            (good, "creds_file", "is not a NATS creds file")):
+        if key == "nkey_seed_file" and path == creds:
+            path = tmp_path / "jwt-only.creds"
+            path.write_text(creds.read_text().split("-----BEGIN USER NKEY SEED")[0])
+        with pytest.raises(ConfigError) as error:
+            parse_config(config_with(queue={key: str(path)}))
+        assert f"queue.{key}: Value error, file '{path}' {said}" in str(error.value)
+        assert seed.decode() not in str(error.value)
+
+
 @pytest.mark.parametrize("passphrase", [None, "correct horse"])
 def test_a_snowflake_pkcs8_key_is_loaded_as_der(tmp_path: Path, passphrase: str | None) -> None:
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
