@@ -1,9 +1,9 @@
 """The ClickHouse target: every version in a ReplacingMergeTree, current rows through a FINAL view.
 
 All access is clickhouse-connect over HTTP, identical for the embedded local server and a real
-ClickHouse. A batch is sent as text, an external table of its statement, and converted by
-ClickHouse itself with the type mapping's expressions, so the stream and snapshots share one
-conversion. The version rule
+ClickHouse. A batch is sent as text (a small one as an external table of its statement, a large
+one into a staging table) and converted by ClickHouse itself with the type mapping's expressions,
+so the stream and snapshots share one conversion. The version rule
 needs no read-modify-write: the table's version column decides, whatever the insertion order.
 The lifecycle is `sql_target.SqlTarget`'s; this module is ClickHouse's hooks.
 """
@@ -38,6 +38,8 @@ from siphon_dagster.targets.type_mapping import clickhouse_type
 # third of the snapshot's insert.
 SNAPSHOT_INSERT_SETTINGS = {"optimize_on_insert": 0}
 # A folded micro-batch holds each key once: the same holds for its inserts.
+# Batches up to this many bytes of Arrow data are sent as an external table of their statement.
+EXTERNAL_BATCH_MAX_BYTES = 4 << 20
 BATCH_INSERT_SETTINGS = {"optimize_on_insert": 0, "max_insert_threads": 2, "max_threads": 2}
 
 
@@ -142,21 +144,29 @@ class ClickHouseTarget(SqlTarget):
     # -- loads -----------------------------------------------------------------------------------
 
     def _write_batch(self, names: TableNames, rows: pa.Table, targets: Sequence[str]) -> None:
-        # The batch travels with its INSERT ... SELECT as an external table (ClickHouse's temporary
-        # table of one query): one request converts and inserts it, where a staging table cost a
-        # CREATE, an insert and a DROP more, each a request and a change of the catalog.
-        width = len(names.table.columns)
-        # Staging names are positional; the version travels as text (ClickHouse parses it as UInt128).
-        staged = pa.table(
-            [rows.column(i) for i in range(width)]
-            + [pc.cast(rows.column(width), pa.string()), pc.cast(rows.column(width + 1), pa.uint8())],
-            names=staging_names(names.table),
-        )
+        staged = _staged(names, rows)
+        if staged.nbytes > EXTERNAL_BATCH_MAX_BYTES:
+            super()._write_batch(names, staged, targets)  # a staging table, filled by a streamed insert
+            return
+        # A small batch travels with its INSERT ... SELECT as an external table (ClickHouse's
+        # temporary table of one query): one request, where a staging table costs a CREATE, an
+        # insert and a DROP more, each a request and a change of the catalog. A large batch goes
+        # through a staging table: an external table arrives as a form, which a server reads whole.
         batch = ExternalData(data=_arrow_stream(staged), file_name=sql.BATCH_TABLE, fmt="ArrowStream",
                              structure=sql.dialect.stage_structure(names.table))
         self._write_each(names, targets, lambda target: self._execute(
             names, "applying a batch", sql.insert_from_stage(target, sql.quote(sql.BATCH_TABLE), names.table),
             settings=BATCH_INSERT_SETTINGS, external_data=batch))
+
+    def _load_batch(self, names: TableNames, staging: str, rows: pa.Table) -> None:
+        try:
+            self._connect().insert_arrow(staging, rows)
+        except ClickHouseError as error:
+            raise TargetError(names.describe(f"staging {rows.num_rows} rows failed: {error}")) from error
+
+    def _apply_staged(self, names: TableNames, target: str, staging: str) -> None:
+        self._execute(names, "applying a batch", sql.insert_from_stage(target, staging, names.table),
+                      settings=BATCH_INSERT_SETTINGS)
 
     @contextmanager
     def _snapshot_stages(self, names: TableNames, targets: Sequence[str], version: int) -> Iterator[_SnapshotStages]:
@@ -242,6 +252,17 @@ def _widened(current: str, expected: str) -> str | None:
     if wanted not in _WIDER.get(stored, ()):
         return None
     return f"Nullable({wanted})" if nullable else wanted
+
+
+def _staged(names: TableNames, rows: pa.Table) -> pa.Table:
+    """A change batch under the staging names; the version travels as text (ClickHouse parses it
+    as UInt128)."""
+    width = len(names.table.columns)
+    return pa.table(
+        [rows.column(i) for i in range(width)]
+        + [pc.cast(rows.column(width), pa.string()), pc.cast(rows.column(width + 1), pa.uint8())],
+        names=staging_names(names.table),
+    )
 
 
 def _arrow_stream(table: pa.Table) -> bytes:

@@ -15,17 +15,21 @@ import pyarrow as pa
 import pytest
 
 from siphon_core.config import parse_config
-from siphon_dagster.targets import build_target
+from siphon_dagster.targets import build_target, clickhouse
 from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, change_batch_schema
 
-TARGETS = ["clickhouse", "snowflake", "snowflake_stage"]
+TARGETS = ["clickhouse", "clickhouse_staged", "snowflake", "snowflake_stage"]
 # How each Snowflake variant loads a batch: `stage_min_rows` sends every batch one way.
 SNOWFLAKE_LOADS = {"snowflake": ("insert", 10**9), "snowflake_stage": ("stage", 0)}
+# Statements of a ClickHouse change batch (Arrow inserts not counted): the resync table's lookup
+# and one INSERT with the batch as its external table; through a staging table (every batch past
+# EXTERNAL_BATCH_MAX_BYTES, here all of them) a CREATE and a DROP more.
+CLICKHOUSE_BATCH_STATEMENTS = {"clickhouse": 2, "clickhouse_staged": 4}
 
 
 def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str) -> dict:
     """siphon.yaml's `targets.<name>` for a database (ClickHouse) or schema (Snowflake) of this test alone."""
-    if name == "clickhouse":
+    if name.startswith("clickhouse"):
         return {"url": request.getfixturevalue("clickhouse_url"), "database": unique_name}
     env = request.getfixturevalue("snowflake_env")
     _path, stage_min_rows = SNOWFLAKE_LOADS.get(name, ("stage", 1000))
@@ -45,7 +49,7 @@ def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str)
 def make_target(request: pytest.FixtureRequest, name: str, unique_name: str, **settings: object) -> Target:
     """A target whose database (ClickHouse) or schema (Snowflake) belongs to this test alone;
     `settings` override its siphon.yaml keys."""
-    kind = "snowflake" if name.startswith("snowflake") else name
+    kind = "snowflake" if name.startswith("snowflake") else "clickhouse"
     config = parse_config(
         {"application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"}, "tables": [{"name": "public.t"}],
          "targets": {kind: {**target_settings(request, name, unique_name), **settings}}}
@@ -60,7 +64,9 @@ def assert_load_path(target: Target, variant: str) -> None:
 
 
 @pytest.fixture(params=TARGETS)
-def target(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Target]:
+def target(request: pytest.FixtureRequest, unique_name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
+    if request.param == "clickhouse_staged":
+        monkeypatch.setattr(clickhouse, "EXTERNAL_BATCH_MAX_BYTES", -1)
     built = make_target(request, request.param, unique_name)
     yield built
     built.close()
@@ -68,7 +74,7 @@ def target(request: pytest.FixtureRequest, unique_name: str) -> Iterator[Target]
 
 @pytest.fixture
 def variant(request: pytest.FixtureRequest) -> str:
-    """The `target` parameter of this test: clickhouse, snowflake or snowflake_stage."""
+    """The `target` parameter of this test: clickhouse, clickhouse_staged, snowflake or snowflake_stage."""
     return request.node.callspec.params["target"]
 
 
@@ -175,6 +181,8 @@ def run_steps(target: Target, table: TableSchema, steps: list, variant: str = ""
         if isinstance(step, Rows):
             target.apply_rows(table, batch(table, step.rows))
             assert_load_path(target, variant)
+            if variant in CLICKHOUSE_BATCH_STATEMENTS:
+                assert target.last_load_statements == CLICKHOUSE_BATCH_STATEMENTS[variant]  # type: ignore[attr-defined]
         elif isinstance(step, Snapshot):
             target.apply_copy_text(table, iter([step.copy_text]), step.version)
             assert_load_path(target, variant)
