@@ -9,7 +9,10 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from siphon_stack.process import free_port
 from tests.helpers.producer import drop_application
 
 REPOSITORY = Path(__file__).resolve().parents[2]
+CONCURRENT_COMMANDS = 4
 PASSWORDS = ("SIPHON_PG_PASSWORD", "SIPHON_NATS_PRODUCER_PASSWORD", "SIPHON_NATS_DAGSTER_PASSWORD",
              "SIPHON_CLICKHOUSE_PASSWORD")
 WRONG = "wrong-password-7f3a"
@@ -162,24 +166,31 @@ CASES: list[tuple[str, list[str], Fault]] = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "fault"), [pytest.param(argv, fault, id=name) for name, argv, fault in CASES])
-def test_a_command_answers_a_fault_with_one_line_naming_it(secured: dict[str, str], argv: list[str], fault: Fault,
-                                                           unique_name: str, tmp_path: Path) -> None:
+@dataclass
+class Answer:
+    named: str  # what the answer must name
+    result: subprocess.CompletedProcess[str]
+
+
+def run_case(secured: dict[str, str], index: int, argv: list[str], fault: Fault, directory: Path) -> Answer:
+    """One command, in a directory of its own, with its fault applied."""
+    directory.mkdir(parents=True)
     producer = argv[:len(PRODUCER)] == PRODUCER
-    config = base_config(secured, unique_name, "producer" if producer else "dagster")
+    identifier = f"t_cli_failure_{index}_{uuid.uuid4().hex[:8]}"
+    config = base_config(secured, identifier, "producer" if producer else "dagster")
     # Give up soon on an unreachable service (the defaults wait minutes for one that may come back).
     config["producer"].update(connect_retries=0, publish_retry_seconds=5)
     config["checks"] = {"settle_timeout_seconds": 3}
     env = {key: secured[key] for key in PASSWORDS}
-    named = fault(config, env, tmp_path)
+    named = fault(config, env, directory)
     if producer:  # the producer's siphon.yaml has no targets
         config.pop("targets")
         config["tables"] = [{"name": table["name"]} for table in config["tables"]]
-    path = tmp_path / "siphon.yaml"
+    path = directory / "siphon.yaml"
     path.write_text(yaml.safe_dump(config))
-    keys = tmp_path / "keys.csv"
+    keys = directory / "keys.csv"
     keys.write_text("1\n")
-    home = tmp_path / "dagster_home"
+    home = directory / "dagster_home"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     command = [str(keys) if word == "KEYS" else word for word in argv]
@@ -190,7 +201,27 @@ def test_a_command_answers_a_fault_with_one_line_naming_it(secured: dict[str, st
                                 env={**os.environ, **env, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPOSITORY)})
     finally:
         if producer:
-            drop_application(admin_dsn(secured), None, unique_name)
+            drop_application(admin_dsn(secured), None, identifier)
+    return Answer(named, result)
+
+
+@pytest.fixture(scope="module")
+def answers(secured: dict[str, str], shared_tmp_dir: Path) -> dict[str, Answer]:
+    """Every case's answer. The commands run a few at a time: most of each one's time is an
+    interpreter starting and a connection that waits to fail."""
+    root = shared_tmp_dir / "cli-failures"
+    with ThreadPoolExecutor(CONCURRENT_COMMANDS) as pool:
+        futures = {name: pool.submit(run_case, secured, index, argv, fault, root / name)
+                   for index, (name, argv, fault) in enumerate(CASES)}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize(("name", "argv", "fault"), CASES, ids=[name for name, _argv, _fault in CASES])
+def test_a_command_answers_a_fault_with_one_line_naming_it(secured: dict[str, str], answers: dict[str, Answer],
+                                                           name: str, argv: list[str], fault: Fault) -> None:
+    answer = answers[name]
+    result, named = answer.result, answer.named
+    producer = argv[:len(PRODUCER)] == PRODUCER
     output = result.stdout + result.stderr
     print(output)  # shown when the test fails
     assert result.returncode != 0
@@ -200,15 +231,15 @@ def test_a_command_answers_a_fault_with_one_line_naming_it(secured: dict[str, st
     assert WRONG not in output
     if producer:
         # Its log lines are structured; one error says why it stopped.
-        answers = [line for line in output.splitlines() if "level=error" in line or line.startswith("siphon-producer:")]
+        lines = [line for line in output.splitlines() if "level=error" in line or line.startswith("siphon-producer:")]
     elif argv[len(DAGSTER)] == "check" and fault not in (unknown_table, malformed_seed_file):
         lines = [line for line in output.splitlines() if line.strip()]
         assert all(line.split()[0] in ("PASS", "FAIL", "WARN") for line in lines), lines
-        answers = [line for line in lines if named in line][:1]
+        lines = [line for line in lines if named in line][:1]
     else:
-        answers = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(answers) == 1, output
-    assert named in answers[0]
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, output
+    assert named in lines[0]
 
 
 def test_siphon_stack_answers_a_directory_without_a_stack_in_one_line(tmp_path: Path) -> None:
