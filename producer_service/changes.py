@@ -49,6 +49,7 @@ _TUPLE = _KIND + layout.CHANGE_TUPLE
 _BEGIN, _COMMIT, _INSERT, _UPDATE, _DELETE, _TRUNCATE = (
     layout.BEGIN, layout.COMMIT, layout.INSERT, layout.UPDATE, layout.DELETE, layout.TRUNCATE)
 _NEW = layout.NEW_TUPLE
+_DELETE_MARKERS = layout.DELETE_MARKERS
 _OID = layout.OID.unpack_from
 _BEGIN_FIELDS = layout.BEGIN_FIELDS.unpack_from
 _COMMIT_FIELDS = layout.COMMIT_FIELDS.unpack_from
@@ -100,10 +101,12 @@ class ChangeEncoder:
     def consume(self, batch: list[memoryview]) -> bool:
         """Turns a batch of raw replication messages into buffered events; True when the server
         asked for a status reply. The hot path: INSERT and UPDATE without an old row are encoded
-        inline, everything else by the methods below, through `encode_event` and the decoders."""
+        inline; Begin, Commit and DELETE are handled inline too, since a call per message costs a few
+        percent there; the rarer messages go to the methods below."""
         routes = self.routes
         packager = self._packager
         add, cut, max_events, max_bytes = packager.add_encoded, packager.cut, packager.max_events, packager.max_bytes
+        tracker = self._tracker
         fields, commit_lsn, ordinal, position = self._fields, self._commit_lsn, self._ordinal, self._position
         if fields is not None:
             fixed, time_field, insert_prefix, update_prefix = fields.unpacked()
@@ -153,14 +156,30 @@ class ChangeEncoder:
                     else:
                         add(buffer, framed, commit_lsn, position, ordinal, size)
                 elif kind == _BEGIN:
-                    fields, commit_lsn, ordinal = self._begin(data)
+                    final_lsn, commit_time, xid = _BEGIN_FIELDS(data, _BODY)
+                    commit_lsn = final_lsn
+                    fields = TransactionFields(xid, final_lsn, commit_time + m.POSTGRES_EPOCH_OFFSET_US)
                     fixed, time_field, insert_prefix, update_prefix = fields.unpacked()
+                    ordinal = tracker.begin()
                     position = 0
                 elif kind == _COMMIT:
-                    self._commit(data)
+                    tracker.commit(_COMMIT_FIELDS(data, _BODY)[2])  # the transaction's end LSN
                     fields = None
-                elif kind in (_UPDATE, _DELETE):
-                    position = self._old_row_change(data, fields, commit_lsn, ordinal, position)  # type: ignore[arg-type]
+                    self.last_commit_at = time.monotonic()
+                elif kind == _DELETE:
+                    route = routes.get(_OID(data, _RELATION_ID)[0]) or self._unknown_relation(data)
+                    old_kind = data[_MARKER]
+                    if old_kind not in _DELETE_MARKERS:
+                        layout.expect_marker(data, _MARKER, _DELETE_MARKERS, _KIND)
+                    old = data[_TUPLE:]
+                    if route.keep is not None:
+                        old = project_tuple(old, route.keep)
+                    position += 1
+                    route.counts[pb.DELETE] += 1
+                    add(route.buffer, encode_event(fields, pb.DELETE, position, None, old, chr(old_kind)),  # type: ignore[arg-type]
+                        commit_lsn, position, ordinal)
+                elif kind == _UPDATE:  # with the old key or row
+                    position = self._update_with_old_row(data, fields, commit_lsn, ordinal, position)  # type: ignore[arg-type]
                 elif kind == _TRUNCATE:
                     position = self._truncate(data, fields, commit_lsn, ordinal, position)  # type: ignore[arg-type]
                 else:
@@ -183,35 +202,19 @@ class ChangeEncoder:
         if received > self.last_received:
             self.last_received = received
 
-    def _begin(self, data: memoryview) -> tuple[TransactionFields, int, int]:
-        """The new transaction's shared fields, commit LSN and ordinal."""
-        final_lsn, commit_time, xid = _BEGIN_FIELDS(data, _BODY)
-        return TransactionFields(xid, final_lsn, commit_time + m.POSTGRES_EPOCH_OFFSET_US), final_lsn, self._tracker.begin()
-
-    def _commit(self, data: memoryview) -> None:
-        _, _, end_lsn, _ = _COMMIT_FIELDS(data, _BODY)
-        self._tracker.commit(end_lsn)
-        self.last_commit_at = time.monotonic()
-
-    def _old_row_change(self, data: memoryview, fields: TransactionFields, commit_lsn: int, ordinal: int,
-                        position: int) -> int:
-        """An UPDATE with an old key or row, or a DELETE; returns the transaction's new position."""
+    def _update_with_old_row(self, data: memoryview, fields: TransactionFields, commit_lsn: int, ordinal: int,
+                             position: int) -> int:
+        """An UPDATE that changed the key or whose identity is FULL (rare: kept out of the loop);
+        returns the transaction's new position."""
         route = self.routes.get(_OID(data, _RELATION_ID)[0]) or self._unknown_relation(data)
-        if data[_KIND] == _UPDATE:
-            operation = pb.UPDATE
-            old_kind = layout.expect_marker(data, _MARKER, layout.UPDATE_MARKERS, _KIND)
-            end = layout.old_tuple_end(data, _MARKER, _KIND)
-            old, new = data[_TUPLE:end], data[end + 1:]
-        else:
-            operation = pb.DELETE
-            old_kind = layout.expect_marker(data, _MARKER, layout.DELETE_MARKERS, _KIND)
-            old, new = data[_TUPLE:], None
+        old_kind = layout.expect_marker(data, _MARKER, layout.UPDATE_MARKERS, _KIND)
+        end = layout.old_tuple_end(data, _MARKER, _KIND)
+        old, new = data[_TUPLE:end], data[end + 1:]
         if route.keep is not None:
-            old = project_tuple(old, route.keep)
-            new = project_tuple(new, route.keep) if new is not None else None
+            old, new = project_tuple(old, route.keep), project_tuple(new, route.keep)
         position += 1
-        route.counts[operation] += 1
-        self._packager.add_encoded(route.buffer, encode_event(fields, operation, position, new, old, chr(old_kind)),
+        route.counts[pb.UPDATE] += 1
+        self._packager.add_encoded(route.buffer, encode_event(fields, pb.UPDATE, position, new, old, chr(old_kind)),
                                    commit_lsn, position, ordinal)
         return position
 
@@ -231,6 +234,7 @@ class ChangeEncoder:
         if relation_id is None:
             relation_id = _OID(data, _RELATION_ID)[0]
         raise RuntimeError(f"change for relation {relation_id} arrived before its Relation message")
+
     def _on_other(self, message: m.PgoutputMessage, outside_transaction: bool) -> None:
         kind = type(message)
         if kind is m.Relation:
