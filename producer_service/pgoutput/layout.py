@@ -32,7 +32,6 @@ INSERT_MARKERS, UPDATE_MARKERS, DELETE_MARKERS = b"N", b"NKO", b"KO"
 # Field groups, each read with one unpack_from at the offset the decoder has reached.
 STREAMED_XID = struct.Struct(">I")  # after the type byte, inside a streamed block only
 OID = struct.Struct(">I")  # relation OID (Relation, Insert, Update, Delete), type OID (Type)
-COUNT = struct.Struct(">h")  # Relation's column count
 BEGIN_FIELDS = struct.Struct(">QqI")  # final LSN, commit timestamp, xid
 COMMIT_FIELDS = struct.Struct(">BQQq")  # flags (0), commit LSN, end LSN, commit timestamp
 ORIGIN_LSN = struct.Struct(">Q")  # the commit's LSN on the origin server; then String name
