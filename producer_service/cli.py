@@ -10,6 +10,7 @@ import sys
 import time
 
 import psycopg
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 from producer_service.connecting import AuthenticationError, is_refused_login
 from producer_service.metrics import EndpointError
@@ -69,37 +70,60 @@ async def run_until_stopped(config: SiphonConfig, accept_slot_loss: bool = False
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
 
-    failures = 0
-    retries = config.producer.connect_retries
-    while not stopping.is_set():
-        service = ProducerService(config, accept_slot_loss=accept_slot_loss, config_path=config_path)
+    async def until_stopped(seconds: float) -> None:
+        """tenacity's sleep between attempts: a stop request ends it at once."""
         try:
-            await service.run()
-            return 0
-        except AuthenticationError as error:
-            log.error("the source refused the login; not retrying", error=str(error))
+            await asyncio.wait_for(stopping.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    def reconnecting(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        log.warning("connection lost; reconnecting", attempt=state.attempt_number,
+                    retry_in_seconds=state.upcoming_sleep, error=str(error))
+
+    retries = config.producer.connect_retries
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(_worth_reconnecting),
+        stop=stop_after_attempt(retries + 1),
+        wait=wait_exponential(multiplier=0.5, max=30.0),
+        sleep=until_stopped,
+        before_sleep=reconnecting,
+        reraise=True,
+    )
+    attempts = 0
+    try:
+        async for attempt in retrying:
+            if stopping.is_set():
+                return 0
+            with attempt:
+                attempts = attempt.retry_state.attempt_number
+                service = ProducerService(config, accept_slot_loss=accept_slot_loss, config_path=config_path)
+                try:
+                    await service.run()
+                    return 0
+                finally:
+                    if service.recorded_slot_loss:
+                        # The acknowledgement covered the loss just recorded, not one met later.
+                        accept_slot_loss = False
+                    if service.confirmed_lsn:
+                        # A stream that ran long enough to confirm progress earns a fresh retry budget.
+                        attempt.retry_state.attempt_number = 1
+    except AuthenticationError as error:
+        log.error("the source refused the login; not retrying", error=str(error))
+        return 3
+    except _TRANSIENT as error:
+        if isinstance(error, QueueError) and is_refused_login(error):
+            log.error("NATS refused the login; not retrying", error=str(error))
             return 3
-        except _TRANSIENT as error:
-            if isinstance(error, QueueError) and is_refused_login(error):
-                log.error("NATS refused the login; not retrying", error=str(error))
-                return 3
-            if service.recorded_slot_loss:
-                # The acknowledgement covered the loss just recorded, not one met later.
-                accept_slot_loss = False
-            failures += 1
-            if failures > retries:
-                log.error("giving up after repeated connection failures", attempts=failures, error=str(error))
-                return 1
-            delay = min(30.0, 0.5 * 2 ** (failures - 1))
-            log.warning("connection lost; reconnecting", attempt=failures, retry_in_seconds=delay, error=str(error))
-            try:
-                await asyncio.wait_for(stopping.wait(), timeout=delay)
-            except TimeoutError:
-                pass
-        # A stream that ran long enough to confirm progress earns a fresh retry budget.
-        if service.confirmed_lsn:
-            failures = min(failures, 1)
+        log.error("giving up after repeated connection failures", attempts=attempts, error=str(error))
+        return 1
     return 0
+
+
+def _worth_reconnecting(error: BaseException) -> bool:
+    """The source or the queue went away for a while; a refused login is no such failure."""
+    return isinstance(error, _TRANSIENT) and not (isinstance(error, QueueError) and is_refused_login(error))
 
 
 def main(argv: list[str] | None = None) -> int:

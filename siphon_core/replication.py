@@ -33,12 +33,13 @@ POSTGRES_EPOCH_OFFSET_US = 946_684_800_000_000
 # English server messages when the role may set them (superuser only); otherwise the server's default.
 _MESSAGES_SETTING = "lc_messages"
 
-_XLOG_DATA, _KEEPALIVE = b"wk"
-_XLOG_HEADER = struct.Struct(">QQq")
-_KEEPALIVE_BODY = struct.Struct(">QqB")
+# CopyData messages of the stream: their type bytes and the fields after them (the producer's hot
+# path reads them in place too).
+XLOG_DATA, KEEPALIVE = b"wk"
+XLOG_HEADER = struct.Struct(">QQq")  # WAL start of the data, WAL end on the server, server time
+KEEPALIVE_FIELDS = struct.Struct(">QqB")  # WAL end on the server, server time, 1: reply requested
 _STATUS_UPDATE = struct.Struct(">cQQQqB")
-_XLOG_PAYLOAD_START = 1 + _XLOG_HEADER.size
-XLOG_PAYLOAD_START = _XLOG_PAYLOAD_START  # where the pgoutput message starts in a raw XLogData
+XLOG_PAYLOAD_START = 1 + XLOG_HEADER.size  # where the pgoutput message starts in a raw XLogData
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 
@@ -317,11 +318,11 @@ class ReplicationConnection:
 
 def parse_copy_data(data: memoryview) -> XLogData | Keepalive:
     kind = data[0]
-    if kind == _XLOG_DATA:
-        data_start, wal_end, server_time = _XLOG_HEADER.unpack_from(data, 1)
-        return XLogData(data_start, wal_end, server_time + POSTGRES_EPOCH_OFFSET_US, data[_XLOG_PAYLOAD_START:])
-    if kind == _KEEPALIVE:
-        wal_end, server_time, reply = _KEEPALIVE_BODY.unpack_from(data, 1)
+    if kind == XLOG_DATA:
+        data_start, wal_end, server_time = XLOG_HEADER.unpack_from(data, 1)
+        return XLogData(data_start, wal_end, server_time + POSTGRES_EPOCH_OFFSET_US, data[XLOG_PAYLOAD_START:])
+    if kind == KEEPALIVE:
+        wal_end, server_time, reply = KEEPALIVE_FIELDS.unpack_from(data, 1)
         return Keepalive(wal_end, server_time + POSTGRES_EPOCH_OFFSET_US, reply == 1)
     raise ReplicationError(f"unexpected replication message type {bytes([kind])!r} in the stream")
 

@@ -108,7 +108,13 @@ class SnowflakeResource(dg.ConfigurableResource):
 
 
 class SparkResource(dg.ConfigurableResource):
-    """Local Spark by default; `remote` (sc://host:port) uses a Spark Connect server instead (`spark:`)."""
+    """Local Spark by default; `remote` (sc://host:port) uses a Spark Connect server instead (`spark:`).
+
+    The session is built on first use by a dagster-pyspark `LazyPySparkResource` given the
+    section's Spark properties (siphon_dagster.streaming.spark_session), and shared by every table
+    of the run. Composed rather than inherited: a subclass would import pyspark with the code
+    location, which every run and sensor process loads, most of them never touching Spark.
+    """
 
     settings: dict[str, Any]
 

@@ -1,11 +1,10 @@
 """One decoder per pgoutput message type, and the dispatch on the message's first byte.
 
-Layouts follow PostgreSQL's "Logical Replication Message Formats": integers are big-endian,
-String is NUL-terminated (UTF-8: the replication connection pins client_encoding), LSNs are
-unsigned Int64, timestamps signed Int64 microseconds since 2000-01-01. Inside a streamed block
-(protocol version 2, between Stream Start and Stream Stop) Relation, Type, Insert, Update, Delete,
-Truncate and transactional Message carry an Int32 xid right after the type byte; only the caller
-knows whether it is inside such a block, so it says so (or uses `MessageDecoder`).
+The layout (type bytes, field structs, markers) is `producer_service.pgoutput.layout`, which the
+producer's hot path reads too; each decoder's docstring repeats its message's layout. Strings are
+UTF-8: the replication connection pins client_encoding. Inside a streamed block the changes carry
+an xid; only the caller knows whether it is inside such a block, so it says so (or uses
+`MessageDecoder`).
 
 Insert, Update and Delete keep their tuples as raw TupleData bytes: the hot path never looks at a
 value.
@@ -16,47 +15,17 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from producer_service.pgoutput.messages import (
-    POSTGRES_EPOCH_OFFSET_US,
-    Begin,
-    Commit,
-    Delete,
-    Insert,
-    LogicalMessage,
-    Origin,
-    PgoutputMessage,
-    Relation,
-    RelationColumn,
-    StreamAbort,
-    StreamCommit,
-    StreamStart,
-    StreamStop,
-    Truncate,
-    Type,
-    Update,
-)
-from siphon_core.wire.tuple_data import Buffer, tuple_end
+import producer_service.pgoutput.messages as m
+from producer_service.pgoutput import layout
+from producer_service.pgoutput.layout import PgoutputError
+from siphon_core.wire.tuple_data import Buffer
 
-_UINT32 = struct.Struct(">I").unpack_from
-_INT16 = struct.Struct(">h").unpack_from
-_BEGIN = struct.Struct(">QqI").unpack_from
-_COMMIT = struct.Struct(">BQQq").unpack_from
-_ORIGIN_LSN = struct.Struct(">Q").unpack_from
-_COLUMN_TYPE = struct.Struct(">Ii").unpack_from
-_MESSAGE_HEAD = struct.Struct(">BQ").unpack_from
-_TRUNCATE_HEAD = struct.Struct(">IB").unpack_from
-_STREAM_START = struct.Struct(">IB").unpack_from
-_STREAM_COMMIT = struct.Struct(">IBQQq").unpack_from
-_STREAM_ABORT = struct.Struct(">II").unpack_from
-
-_NEW, _KEY, _OLD = b"NKO"
+_OID = layout.OID.unpack_from
+_XID = layout.STREAMED_XID.unpack_from
+_EPOCH = m.POSTGRES_EPOCH_OFFSET_US
 
 
-class PgoutputError(ValueError):
-    """A pgoutput message that cannot be decoded; the message names the type byte and the offset."""
-
-
-def decode_message(payload: Buffer, in_stream: bool = False) -> PgoutputMessage:
+def decode_message(payload: Buffer, in_stream: bool = False) -> m.PgoutputMessage:
     """Decodes one pgoutput message (the payload of one XLogData)."""
     if not payload:
         raise PgoutputError("empty pgoutput message")
@@ -81,179 +50,175 @@ class MessageDecoder:
     def __init__(self) -> None:
         self.in_stream = False
 
-    def decode(self, payload: Buffer) -> PgoutputMessage:
+    def decode(self, payload: Buffer) -> m.PgoutputMessage:
         message = decode_message(payload, self.in_stream)
         kind = type(message)
-        if kind is StreamStart:
+        if kind is m.StreamStart:
             self.in_stream = True
-        elif kind is StreamStop:
+        elif kind is m.StreamStop:
             self.in_stream = False
         return message
 
 
-def decode_begin(data: Buffer, in_stream: bool = False) -> Begin:
+def decode_begin(data: Buffer, in_stream: bool = False) -> m.Begin:
     """Byte1('B'), Int64 final LSN of the transaction, Int64 commit timestamp, Int32 xid."""
-    final_lsn, commit_time, xid = _BEGIN(data, 1)
-    return Begin(final_lsn, commit_time + POSTGRES_EPOCH_OFFSET_US, xid)
+    final_lsn, commit_time, xid = layout.BEGIN_FIELDS.unpack_from(data, 1)
+    return m.Begin(final_lsn, commit_time + _EPOCH, xid)
 
 
-def decode_commit(data: Buffer, in_stream: bool = False) -> Commit:
+def decode_commit(data: Buffer, in_stream: bool = False) -> m.Commit:
     """Byte1('C'), Int8 flags (unused, 0), Int64 commit LSN, Int64 end LSN of the transaction,
     Int64 commit timestamp."""
-    flags, commit_lsn, end_lsn, commit_time = _COMMIT(data, 1)
-    return Commit(flags, commit_lsn, end_lsn, commit_time + POSTGRES_EPOCH_OFFSET_US)
+    flags, commit_lsn, end_lsn, commit_time = layout.COMMIT_FIELDS.unpack_from(data, 1)
+    return m.Commit(flags, commit_lsn, end_lsn, commit_time + _EPOCH)
 
 
-def decode_origin(data: Buffer, in_stream: bool = False) -> Origin:
+def decode_origin(data: Buffer, in_stream: bool = False) -> m.Origin:
     """Byte1('O'), Int64 commit LSN on the origin server, String origin name."""
     data = bytes(data)
-    (commit_lsn,) = _ORIGIN_LSN(data, 1)
-    name, _ = _string(data, 9)
-    return Origin(commit_lsn, name)
+    (commit_lsn,) = layout.ORIGIN_LSN.unpack_from(data, 1)
+    name, _ = _string(data, 1 + layout.ORIGIN_LSN.size)
+    return m.Origin(commit_lsn, name)
 
 
-def decode_relation(data: Buffer, in_stream: bool = False) -> Relation:
+def decode_relation(data: Buffer, in_stream: bool = False) -> m.Relation:
     """Byte1('R'), [Int32 xid], Int32 relation OID, String namespace, String relation name,
     Int8 replica identity setting, Int16 column count, then per column: Int8 flags (1: part of the
     key), String name, Int32 type OID, Int32 type modifier."""
     data = bytes(data)
     xid, pos = _xid(data, in_stream)
-    (relation_id,) = _UINT32(data, pos)
-    namespace, pos = _string(data, pos + 4)
+    (relation_id,) = _OID(data, pos)
+    namespace, pos = _string(data, pos + layout.OID.size)
     name, pos = _string(data, pos)
-    replica_identity = chr(data[pos])
-    (count,) = _INT16(data, pos + 1)
-    pos += 3
+    replica_identity, count = layout.RELATION_TAIL.unpack_from(data, pos)
+    pos += layout.RELATION_TAIL.size
     columns = []
     for _ in range(count):
         flags = data[pos]
         column_name, pos = _string(data, pos + 1)
-        type_oid, type_modifier = _COLUMN_TYPE(data, pos)
-        pos += 8
-        columns.append(RelationColumn(flags, column_name, type_oid, type_modifier))
-    return Relation(relation_id, namespace, name, replica_identity, tuple(columns), xid)
+        type_oid, type_modifier = layout.COLUMN_TYPE.unpack_from(data, pos)
+        pos += layout.COLUMN_TYPE.size
+        columns.append(m.RelationColumn(flags, column_name, type_oid, type_modifier))
+    return m.Relation(relation_id, namespace, name, chr(replica_identity), tuple(columns), xid)
 
 
-def decode_type(data: Buffer, in_stream: bool = False) -> Type:
+def decode_type(data: Buffer, in_stream: bool = False) -> m.Type:
     """Byte1('Y'), [Int32 xid], Int32 type OID, String namespace (empty for pg_catalog),
     String type name."""
     data = bytes(data)
     xid, pos = _xid(data, in_stream)
-    (type_oid,) = _UINT32(data, pos)
-    namespace, pos = _string(data, pos + 4)
+    (type_oid,) = _OID(data, pos)
+    namespace, pos = _string(data, pos + layout.OID.size)
     name, _ = _string(data, pos)
-    return Type(type_oid, namespace, name, xid)
+    return m.Type(type_oid, namespace, name, xid)
 
 
-def decode_insert(data: Buffer, in_stream: bool = False) -> Insert:
+def decode_insert(data: Buffer, in_stream: bool = False) -> m.Insert:
     """Byte1('I'), [Int32 xid], Int32 relation OID, Byte1('N'), TupleData new row."""
     xid, pos = _xid(data, in_stream)
-    (relation_id,) = _UINT32(data, pos)
-    _expect(data, pos + 4, _NEW)
-    return Insert(relation_id, bytes(data[pos + 5 :]), xid)
+    (relation_id,) = _OID(data, pos)
+    marker = pos + layout.OID.size
+    layout.expect_marker(data, marker, layout.INSERT_MARKERS)
+    return m.Insert(relation_id, bytes(data[marker + 1 :]), xid)
 
 
-def decode_update(data: Buffer, in_stream: bool = False) -> Update:
+def decode_update(data: Buffer, in_stream: bool = False) -> m.Update:
     """Byte1('U'), [Int32 xid], Int32 relation OID, optionally Byte1('K') TupleData old key or
     Byte1('O') TupleData old row (REPLICA IDENTITY FULL), then Byte1('N') TupleData new row.
     The old part is present only when the key changed or the identity is FULL."""
     xid, pos = _xid(data, in_stream)
-    (relation_id,) = _UINT32(data, pos)
-    pos += 4
-    kind = data[pos]
-    if kind == _NEW:
-        return Update(relation_id, None, None, bytes(data[pos + 1 :]), xid)
-    if kind != _KEY and kind != _OLD:
-        raise _unexpected(data, pos, "'N', 'K' or 'O'")
-    end = tuple_end(data, pos + 1)
-    _expect(data, end, _NEW)
-    return Update(relation_id, chr(kind), bytes(data[pos + 1 : end]), bytes(data[end + 1 :]), xid)
+    (relation_id,) = _OID(data, pos)
+    marker = pos + layout.OID.size
+    kind = layout.expect_marker(data, marker, layout.UPDATE_MARKERS)
+    if kind == layout.NEW_TUPLE:
+        return m.Update(relation_id, None, None, bytes(data[marker + 1 :]), xid)
+    end = layout.old_tuple_end(data, marker)
+    return m.Update(relation_id, chr(kind), bytes(data[marker + 1 : end]), bytes(data[end + 1 :]), xid)
 
 
-def decode_delete(data: Buffer, in_stream: bool = False) -> Delete:
+def decode_delete(data: Buffer, in_stream: bool = False) -> m.Delete:
     """Byte1('D'), [Int32 xid], Int32 relation OID, Byte1('K') TupleData old key or Byte1('O')
     TupleData old row (REPLICA IDENTITY FULL)."""
     xid, pos = _xid(data, in_stream)
-    (relation_id,) = _UINT32(data, pos)
-    pos += 4
-    kind = data[pos]
-    if kind != _KEY and kind != _OLD:
-        raise _unexpected(data, pos, "'K' or 'O'")
-    return Delete(relation_id, chr(kind), bytes(data[pos + 1 :]), xid)
+    (relation_id,) = _OID(data, pos)
+    marker = pos + layout.OID.size
+    kind = layout.expect_marker(data, marker, layout.DELETE_MARKERS)
+    return m.Delete(relation_id, chr(kind), bytes(data[marker + 1 :]), xid)
 
 
-def decode_truncate(data: Buffer, in_stream: bool = False) -> Truncate:
+def decode_truncate(data: Buffer, in_stream: bool = False) -> m.Truncate:
     """Byte1('T'), [Int32 xid], Int32 relation count, Int8 options (1: CASCADE, 2: RESTART
     IDENTITY), then Int32 relation OID per relation."""
     xid, pos = _xid(data, in_stream)
-    count, options = _TRUNCATE_HEAD(data, pos)
-    pos += 5
+    count, options = layout.TRUNCATE_HEAD.unpack_from(data, pos)
+    pos += layout.TRUNCATE_HEAD.size
     relation_ids = struct.unpack_from(f">{count}I", data, pos)
-    return Truncate(options, relation_ids, xid)
+    return m.Truncate(options, relation_ids, xid)
 
 
-def decode_logical_message(data: Buffer, in_stream: bool = False) -> LogicalMessage:
+def decode_logical_message(data: Buffer, in_stream: bool = False) -> m.LogicalMessage:
     """Byte1('M'), [Int32 xid], Int8 flags (1: transactional), Int64 LSN of the message,
     String prefix, Int32 content length, Byte(n) content."""
     data = bytes(data)
     xid, pos = _xid(data, in_stream)
-    flags, lsn = _MESSAGE_HEAD(data, pos)
-    prefix, pos = _string(data, pos + 9)
-    (length,) = _UINT32(data, pos)
-    content = data[pos + 4 : pos + 4 + length]
+    flags, lsn = layout.MESSAGE_HEAD.unpack_from(data, pos)
+    prefix, pos = _string(data, pos + layout.MESSAGE_HEAD.size)
+    (length,) = layout.CONTENT_LENGTH.unpack_from(data, pos)
+    pos += layout.CONTENT_LENGTH.size
+    content = data[pos : pos + length]
     if len(content) != length:
-        raise ValueError(f"the content of {length} bytes at offset {pos + 4} runs past the end")
-    return LogicalMessage(bool(flags & 1), lsn, prefix, content, xid)
+        raise ValueError(f"the content of {length} bytes at offset {pos} runs past the end")
+    return m.LogicalMessage(bool(flags & 1), lsn, prefix, content, xid)
 
 
-def decode_stream_start(data: Buffer, in_stream: bool = False) -> StreamStart:
+def decode_stream_start(data: Buffer, in_stream: bool = False) -> m.StreamStart:
     """Byte1('S'), Int32 xid, Int8 1 if this is the transaction's first segment, else 0."""
-    xid, first_segment = _STREAM_START(data, 1)
-    return StreamStart(xid, first_segment == 1)
+    xid, first_segment = layout.STREAM_START_FIELDS.unpack_from(data, 1)
+    return m.StreamStart(xid, first_segment == 1)
 
 
-def decode_stream_stop(data: Buffer, in_stream: bool = False) -> StreamStop:
+def decode_stream_stop(data: Buffer, in_stream: bool = False) -> m.StreamStop:
     """Byte1('E'): ends a streamed block."""
-    return StreamStop()
+    return m.StreamStop()
 
 
-def decode_stream_commit(data: Buffer, in_stream: bool = False) -> StreamCommit:
+def decode_stream_commit(data: Buffer, in_stream: bool = False) -> m.StreamCommit:
     """Byte1('c'), Int32 xid, Int8 flags (unused, 0), Int64 commit LSN, Int64 end LSN of the
     transaction, Int64 commit timestamp."""
-    xid, flags, commit_lsn, end_lsn, commit_time = _STREAM_COMMIT(data, 1)
-    return StreamCommit(xid, flags, commit_lsn, end_lsn, commit_time + POSTGRES_EPOCH_OFFSET_US)
+    xid, flags, commit_lsn, end_lsn, commit_time = layout.STREAM_COMMIT_FIELDS.unpack_from(data, 1)
+    return m.StreamCommit(xid, flags, commit_lsn, end_lsn, commit_time + _EPOCH)
 
 
-def decode_stream_abort(data: Buffer, in_stream: bool = False) -> StreamAbort:
+def decode_stream_abort(data: Buffer, in_stream: bool = False) -> m.StreamAbort:
     """Byte1('A'), Int32 xid, Int32 subtransaction xid (the xid itself when the whole transaction
     aborted). Protocol version 4's abort LSN and time are not requested by Siphon."""
-    xid, subxid = _STREAM_ABORT(data, 1)
-    return StreamAbort(xid, subxid)
+    xid, subxid = layout.STREAM_ABORT_FIELDS.unpack_from(data, 1)
+    return m.StreamAbort(xid, subxid)
 
 
-_DECODERS: dict[int, Callable[[Buffer, bool], PgoutputMessage]] = {
-    ord("B"): decode_begin,
-    ord("C"): decode_commit,
-    ord("O"): decode_origin,
-    ord("R"): decode_relation,
-    ord("Y"): decode_type,
-    ord("I"): decode_insert,
-    ord("U"): decode_update,
-    ord("D"): decode_delete,
-    ord("T"): decode_truncate,
-    ord("M"): decode_logical_message,
-    ord("S"): decode_stream_start,
-    ord("E"): decode_stream_stop,
-    ord("c"): decode_stream_commit,
-    ord("A"): decode_stream_abort,
+_DECODERS: dict[int, Callable[[Buffer, bool], m.PgoutputMessage]] = {
+    layout.BEGIN: decode_begin,
+    layout.COMMIT: decode_commit,
+    layout.ORIGIN: decode_origin,
+    layout.RELATION: decode_relation,
+    layout.TYPE: decode_type,
+    layout.INSERT: decode_insert,
+    layout.UPDATE: decode_update,
+    layout.DELETE: decode_delete,
+    layout.TRUNCATE: decode_truncate,
+    layout.MESSAGE: decode_logical_message,
+    layout.STREAM_START: decode_stream_start,
+    layout.STREAM_STOP: decode_stream_stop,
+    layout.STREAM_COMMIT: decode_stream_commit,
+    layout.STREAM_ABORT: decode_stream_abort,
 }
 
 
 def _xid(data: Buffer, in_stream: bool) -> tuple[int | None, int]:
     """The streamed block's xid, if any, and the offset after it."""
     if in_stream:
-        return _UINT32(data, 1)[0], 5
-    return None, 1
+        return _XID(data, layout.BODY)[0], layout.STREAMED_BODY
+    return None, layout.BODY
 
 
 def _string(data: bytes, pos: int) -> tuple[str, int]:
@@ -261,13 +226,3 @@ def _string(data: bytes, pos: int) -> tuple[str, int]:
     if end < 0:
         raise ValueError(f"the string starting at offset {pos} has no terminating NUL byte")
     return data[pos:end].decode(), end + 1
-
-
-def _expect(data: Buffer, pos: int, kind: int) -> None:
-    if data[pos] != kind:
-        raise _unexpected(data, pos, repr(chr(kind)))
-
-
-def _unexpected(data: Buffer, pos: int, expected: str) -> PgoutputError:
-    return PgoutputError(f"pgoutput {chr(data[0])!r} message: expected {expected} at offset {pos}, "
-                         f"found {bytes([data[pos]])!r}")

@@ -22,9 +22,8 @@ import numba
 import numpy as np
 import pyarrow as pa
 
-from siphon_core.wire.tuple_data import TupleDataError
+from siphon_core.wire.tuple_data import BINARY, NULL, TEXT, UNCHANGED, TupleDataError
 
-TEXT, BINARY, NULL, UNCHANGED = b"tbnu"
 _INT32_MAX = np.iinfo(np.int32).max
 # What `_step` says of a column without bytes.
 _NULL_VALUE, _UNCHANGED_VALUE = -1, -2
@@ -138,8 +137,9 @@ def _binary_array(offsets: np.ndarray, out: np.ndarray, valid: np.ndarray) -> pa
                                                    pa.py_buffer(out)], null_count=nulls)
 
 
-# The compiled loops. Kind bytes: b"t" 116, b"b" 98 (Int32 length, then the value), b"n" 110,
-# b"u" 117 (no bytes). They run on rows `_check` accepted, so they read within each row.
+# The compiled loops (numba takes the kind bytes, module-level ints, as constants). TEXT and BINARY
+# have an Int32 length, then the value; NULL and UNCHANGED no bytes. They run on rows `_check`
+# accepted, so they read within each row.
 
 
 @numba.njit(cache=True, nogil=True)
@@ -166,11 +166,11 @@ def _check(data, offsets, present, column_count):  # pragma: no cover - compiled
             if pos >= end:
                 return _failure(row, 3, pos + 1 - begin, end - begin)
             kind = data[pos]
-            if kind == 116 or kind == 98:
+            if kind in (TEXT, BINARY):
                 if pos + 5 > end:
                     return _failure(row, 3, pos + 5 - begin, end - begin)
                 pos += 5 + _length(data, pos)
-            elif kind == 110 or kind == 117:
+            elif kind in (NULL, UNCHANGED):
                 pos += 1
             else:
                 return _failure(row, 2, column, kind)
@@ -189,10 +189,10 @@ def _length(data, pos):  # pragma: no cover - compiled
 def _step(data, pos):  # pragma: no cover - compiled
     """(length of the value at `pos`, or _NULL_VALUE / _UNCHANGED_VALUE; where the next column starts)."""
     kind = data[pos]
-    if kind == 116 or kind == 98:
+    if kind in (TEXT, BINARY):
         length = _length(data, pos)
         return length, pos + 5 + length
-    return (_UNCHANGED_VALUE if kind == 117 else _NULL_VALUE), pos + 1
+    return (_UNCHANGED_VALUE if kind == UNCHANGED else _NULL_VALUE), pos + 1
 
 
 @numba.njit(cache=True, nogil=True)

@@ -24,9 +24,10 @@ _unpack_length = _LENGTH.unpack_from
 _pack_count = _COUNT.pack
 _pack_length = _LENGTH.pack
 
-_TEXT, _BINARY, _NULL, _UNCHANGED = b"tbnu"
-_SIZED = (_TEXT, _BINARY)
-_SINGLE = (_NULL, _UNCHANGED)
+# The column kinds, as bytes values.
+TEXT, BINARY, NULL, UNCHANGED = b"tbnu"
+_SIZED = (TEXT, BINARY)
+_SINGLE = (NULL, UNCHANGED)
 
 
 class TupleDataError(ValueError):
@@ -55,7 +56,7 @@ def decode_tuple(data: Buffer, offset: int = 0) -> tuple[list[Value], int]:
     if not isinstance(data, bytes):
         data = bytes(data)  # one copy, so each value below is a bytes slice, not a view
     # Locals, not globals, in the loop: this is the consumers' hottest code.
-    text, null, unchanged, binary, unpack_length = _TEXT, _NULL, _UNCHANGED, _BINARY, _unpack_length
+    text, null, unchanged, binary, unpack_length = TEXT, NULL, UNCHANGED, BINARY, _unpack_length
     try:
         (count,) = _unpack_count(data, offset)
         pos = offset + 2

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+import tenacity
 from psycopg import pq, sql
 
 from siphon_core.logs import get_logger
@@ -25,7 +26,6 @@ from siphon_core.replication import ReplicationConnection, ReplicationError, Slo
 from siphon_dagster.partitions import BlockRange
 from siphon_dagster.snapshot.blockers import (
     CHECK_SECONDS,
-    SnapshotWaitLimitError,
     WaitReport,
     watch_slot_wait,
 )
@@ -36,6 +36,8 @@ log = get_logger("snapshot")
 # Small enough that PostgreSQL, this process and the target work at once, and that the copies of a
 # chunk on its way stay in the CPU's cache: 1 MiB chunks cost this process a third more CPU.
 CHUNK_BYTES = 128 << 10
+# How often a snapshot waiting for a free replication slot tries again.
+SLOT_RETRY_SECONDS = 5.0
 
 
 class NoFreeSlotError(RuntimeError):
@@ -71,37 +73,47 @@ def exported_snapshot(dsn: str, wait_seconds: float = 600.0,
     the report's text) hears which backends hold it; past `wait_limit_seconds` (0: no limit) the
     creation is ended and SnapshotWaitLimitError raised.
     """
-    deadline = time.monotonic() + wait_seconds
     name = f"siphon_snap_{uuid.uuid4().hex[:16]}"
     report = on_blocked or (lambda r: (on_wait or log.warning)(r.text()))
-    while True:
-        replication = ReplicationConnection(dsn, application_name="siphon snapshot")
-        try:
-            with watch_slot_wait(dsn, table, replication.backend_pid, name, wait_limit_seconds, report,
-                                 check_seconds):
-                slot = replication.create_slot(name, temporary=True, export_snapshot=True)
-            break
-        except SnapshotWaitLimitError:
-            replication.close()
-            raise
-        except ReplicationError as error:
-            replication.close()
-            if not _slot_is_unavailable(error) or time.monotonic() > deadline:
-                if _slot_is_unavailable(error):
-                    raise NoFreeSlotError(f"no free replication slot on the source after {wait_seconds:.0f}s: "
-                                          f"{error}; raise max_replication_slots or lower the snapshot pool limit")\
-                        from None
-                raise
-            message = f"no free replication slot on the source ({error}); waiting"
-            (on_wait or log.warning)(message)
-            time.sleep(5.0)
-        except BaseException:
-            replication.close()
-            raise
+
+    def waiting(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        (on_wait or log.warning)(f"no free replication slot on the source ({error}); waiting")
+
+    # Only a source without a free slot (or connection) is worth waiting for; any other error,
+    # SnapshotWaitLimitError included, is raised at once.
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(lambda e: isinstance(e, ReplicationError) and _slot_is_unavailable(e)),
+        stop=tenacity.stop_after_delay(wait_seconds),
+        wait=tenacity.wait_fixed(SLOT_RETRY_SECONDS),
+        before_sleep=waiting,
+        reraise=True,
+    )
+    try:
+        replication, slot = retrying(_create_snapshot_slot, dsn, name, table, wait_limit_seconds, report,
+                                     check_seconds)
+    except ReplicationError as error:
+        if _slot_is_unavailable(error):
+            raise NoFreeSlotError(f"no free replication slot on the source after {wait_seconds:.0f}s: {error}; "
+                                  f"raise max_replication_slots or lower the snapshot pool limit") from None
+        raise
     try:
         yield slot
     finally:
         replication.close()  # a temporary slot disappears with its connection
+
+
+def _create_snapshot_slot(dsn: str, name: str, table: str, wait_limit_seconds: float,
+                          report: Callable[[WaitReport], None],
+                          check_seconds: float) -> tuple[ReplicationConnection, SlotInfo]:
+    """One attempt: a replication connection and its temporary slot, or the connection closed."""
+    replication = ReplicationConnection(dsn, application_name="siphon snapshot")
+    try:
+        with watch_slot_wait(dsn, table, replication.backend_pid, name, wait_limit_seconds, report, check_seconds):
+            return replication, replication.create_slot(name, temporary=True, export_snapshot=True)
+    except BaseException:
+        replication.close()
+        raise
 
 
 def copy_query(table: TableSchema, block_range: BlockRange) -> sql.Composed:

@@ -6,6 +6,13 @@ only. With `SparkConfig.remote` (or SIPHON_SPARK_REMOTE) set to an `sc://host:po
 thin Spark Connect client instead, so many runs share one JVM (see DESIGN.md, section 4). The
 Python workers of a remote server need the `siphon` package installed: the decode step
 (siphon_dagster.streaming.decode) runs there.
+
+Both kinds are built by dagster-pyspark's `LazyPySparkResource` from Spark properties
+(`spark_properties`): `spark.master` for a driver in this process, `spark.remote` for a Spark
+Connect client (pyspark 3.4 and later make a Connect session of a builder given `spark.remote`).
+What it does not do stays here: the cap on local task slots (hence Python workers), the
+environment of a local driver, bounded Connect retries, the warm-up, and one session per process
+made again when it was stopped.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import threading
 import time
 import warnings
 
+from dagster_pyspark import LazyPySparkResource
 from pyspark.sql import SparkSession
 
 from siphon_core.config import SparkConfig
@@ -69,7 +77,7 @@ def local_cores(master: str) -> int:
 
 
 def get_spark_session(config: SparkConfig | None = None) -> SparkSession:
-    """The process's session, created on first use with `config` (later calls reuse it)."""
+    """The process's session, created on first use with `config` (later calls reuse it while it lives)."""
     global _session
     config = config or SparkConfig()
     with _lock:
@@ -77,7 +85,13 @@ def get_spark_session(config: SparkConfig | None = None) -> SparkSession:
             return _session
         started = time.perf_counter()
         remote = remote_url(config)
-        _session = _connect(remote, config) if remote else _start_driver(config)
+        if not remote:
+            _prepare_driver_environment(config)
+        _session = LazyPySparkResource(spark_config=spark_properties(config)).spark_session
+        if remote:
+            _bound_connect_retries(_session)
+        else:
+            _session.sparkContext.setLogLevel("WARN")
         warm_up(_session)
         _log.info("spark session ready", mode="connect" if remote else config.master,
                   seconds=round(time.perf_counter() - started, 2))
@@ -92,15 +106,18 @@ def stop_spark_session() -> None:
             _session = None
 
 
-def _start_driver(config: SparkConfig) -> SparkSession:
-    """A driver in this process: `local[N]` by default, or any master Spark accepts."""
-    # Python workers must run this interpreter (its venv has pyarrow, zstandard and siphon_core);
-    # Spark reads the variable, not a configuration key, when it forks them.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+def spark_properties(config: SparkConfig) -> dict[str, str]:
+    """The Spark properties a session is built with: `spark.remote` and the runtime settings for a
+    Spark Connect client; otherwise `spark.master` (`local[N]` by default, or any master Spark
+    accepts) and the driver's settings. `config.conf` comes last and wins."""
+    remote = remote_url(config)
+    if remote:
+        if not remote.startswith("sc://"):
+            raise ValueError(f"spark.remote must be a Spark Connect URL like sc://host:15002, got {remote!r}")
+        return {"spark.remote": remote, **_RUNTIME_DEFAULTS, **config.conf}
     settings = {**_DRIVER_DEFAULTS, **_RUNTIME_DEFAULTS}
     master = config.master
     if master.startswith("local"):
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         # One task per core, not Spark's default 200 partitions; every table of a group run shares
         # these task slots, so their Python workers are capped together.
         slots = local_cores(master)
@@ -109,27 +126,24 @@ def _start_driver(config: SparkConfig) -> SparkSession:
             master = f"local[{slots}]"
         cores = str(slots)
         settings |= {**_LOCAL_DEFAULTS, "spark.sql.shuffle.partitions": cores, "spark.default.parallelism": cores}
-    builder = SparkSession.builder.master(master)
-    for key, value in {**settings, **config.conf}.items():
-        builder = builder.config(key, value)
-    session = builder.getOrCreate()
-    session.sparkContext.setLogLevel("WARN")
-    return session
+    return {"spark.master": master, **settings, **config.conf}
 
 
-def _connect(url: str, config: SparkConfig) -> SparkSession:
-    if not url.startswith("sc://"):
-        raise ValueError(f"spark.remote must be a Spark Connect URL like sc://host:15002, got {url!r}")
+def _prepare_driver_environment(config: SparkConfig) -> None:
+    # Python workers must run this interpreter (its venv has pyarrow, zstandard and siphon_core);
+    # Spark reads the variable, not a configuration key, when it forks them.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if config.master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+def _bound_connect_retries(session: SparkSession) -> None:
     from pyspark.sql.connect.client.retries import DefaultPolicy  # the Spark Connect client's modules
 
-    session = SparkSession.builder.remote(url).getOrCreate()
     # The client's own retries wait up to about 10 minutes for an unreachable server on every call;
     # a streaming run then looks alive to the sensor for that long. About 2 minutes, then the run
     # fails, the sensor says so and starts another (which finds a restarted server).
     session.client.set_retry_policies([DefaultPolicy(max_retries=CONNECT_RETRIES, max_backoff=CONNECT_MAX_BACKOFF_MS)])
-    for key, value in {**_RUNTIME_DEFAULTS, **config.conf}.items():
-        session.conf.set(key, value)
-    return session
 
 
 def _is_alive(session: SparkSession) -> bool:
