@@ -410,6 +410,12 @@ class ClickHouseTarget:
             found.update(digest.target_rows(rows, len(table.key_columns)))
         return found
 
+    def rows_after(self, table: TableSchema, version: int, limit: int) -> dict[tuple[str, ...], TargetRow]:
+        names = self._names(table)
+        statement = digest.latest_rows(names, digest.changed_after(names)) + " LIMIT {n:UInt64}"
+        rows = self._rows(names, "reading rows changed after a version", statement, {"v": version, "n": limit + 1})
+        return digest.target_rows(rows, len(table.key_columns))
+
     # -- resync ----------------------------------------------------------------------------------
 
     def create_shadow(self, table: TableSchema) -> None:

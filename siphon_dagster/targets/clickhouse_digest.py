@@ -67,6 +67,11 @@ def latest_rows(names: sql.TableNames, where: str) -> str:
             f"FROM {names.live} WHERE {where}) GROUP BY {grouped}")
 
 
+def changed_after(names: sql.TableNames) -> str:
+    """Keys with a version above {v}, or every key when a TRUNCATE came after {v} (row count's exact step)."""
+    return (f"{_VERSION} > {{v:UInt128}} OR (SELECT max({_VERSION}) FROM {names.truncations}) > {{v:UInt128}}")
+
+
 def bucket_filter(table: TableSchema) -> str:
     return f"{bucket(table, 'digits')} IN {{buckets:Array(String)}}"
 

@@ -488,6 +488,12 @@ class SnowflakeTarget:
                                             len(table.key_columns)))
         return found
 
+    def rows_after(self, table: TableSchema, version: int, limit: int) -> dict[tuple[str, ...], TargetRow]:
+        names = self._names(table)
+        statement = f"{digest.latest_rows(names, digest.changed_after(names))} LIMIT {int(limit) + 1}"
+        rows = self._fetch(names, "reading rows changed after a version", statement, (str(version), str(version)))
+        return digest.target_rows(rows, len(table.key_columns))
+
     # -- resync ----------------------------------------------------------------------------------
 
     def create_shadow(self, table: TableSchema) -> None:

@@ -62,6 +62,11 @@ def latest_rows(names: sql.TableNames, where: str) -> str:
             f"CAST({truncated(names)} AS VARCHAR) FROM ({newest(names)}) WHERE {where}")
 
 
+def changed_after(names: sql.TableNames) -> str:
+    """Binds the version twice: keys with a newer version, or every key when a TRUNCATE came after it."""
+    return f"({_VERSION} > {_BOUND_VERSION} OR {truncated(names)} > {_BOUND_VERSION})"
+
+
 def bucket_filter(table: TableSchema, digits: int, count: int) -> str:
     return f"SUBSTR(MD5({key_text(table)}), 1, {int(digits)}) IN ({', '.join(['?'] * count)})"
 
