@@ -13,6 +13,13 @@ from siphon_dagster.targets.base import DELETED_COLUMN, VERSION_COLUMN, TableSch
 _SEPARATOR = f"char({SEPARATOR_CODE})"
 _VERSION = sql.quote(VERSION_COLUMN)
 _DELETED = sql.quote(DELETED_COLUMN)
+# Aliases no source column can have: a ClickHouse alias is visible in the whole query and wins over a
+# column of the same name, so an alias `v` would turn a source column `v` into the version in a row's text.
+_B, _H, _V, _D = (sql.quote(f"_siphon_digest_{name}") for name in ("bucket", "hash", "version", "deleted"))
+
+
+def _key_alias(index: int) -> str:
+    return sql.quote(f"_siphon_digest_key_{index}")
 
 
 def _joined(parts: list[str]) -> str:
@@ -43,27 +50,27 @@ def version_counts(names: sql.TableNames) -> tuple[str, str]:
     current = (f"SELECT countIf({_VERSION} <= {{v:UInt128}}), countIf({_VERSION} > {{v:UInt128}}) "
                f"FROM {names.view}")
     keys = sql.key_order(names.table)
-    deleted = (f"SELECT countIf(d = 1) FROM (SELECT argMax({_DELETED}, {_VERSION}) AS d FROM {names.live} "
+    deleted = (f"SELECT countIf({_D} = 1) FROM (SELECT argMax({_DELETED}, {_VERSION}) AS {_D} FROM {names.live} "
                f"WHERE {_VERSION} > {{v:UInt128}} GROUP BY {keys})")
     return current, deleted
 
 
 def bucket_digests(names: sql.TableNames) -> str:
     # Raw 16-byte hashes are collected (half the memory of hex) and sorted: bytes sort as their hex does.
-    return (f"SELECT b, count(), lower(hex(MD5(arrayStringConcat(arrayMap(x -> lower(hex(x)), "
-            f"arraySort(groupArray(h))))))) FROM (SELECT {bucket(names.table, 'digits')} AS b, "
-            f"MD5({row_text(names.table)}) AS h FROM {names.view}) GROUP BY b")
+    return (f"SELECT {_B}, count(), lower(hex(MD5(arrayStringConcat(arrayMap(x -> lower(hex(x)), "
+            f"arraySort(groupArray({_H}))))))) FROM (SELECT {bucket(names.table, 'digits')} AS {_B}, "
+            f"MD5({row_text(names.table)}) AS {_H} FROM {names.view}) GROUP BY {_B}")
 
 
 def latest_rows(names: sql.TableNames, where: str) -> str:
     """Each matching key's latest version, tombstones included, with the hash of its values."""
     table = names.table
     renders = key_renders(table)
-    keys = ", ".join(f"{r} AS {sql.quote(f'k{i}')}" for i, r in enumerate(renders))
-    grouped = ", ".join(sql.quote(f"k{i}") for i in range(len(renders)))
-    return (f"SELECT {grouped}, argMax(h, v), toString(max(v)), argMax(d, v), "
+    keys = ", ".join(f"{r} AS {_key_alias(i)}" for i, r in enumerate(renders))
+    grouped = ", ".join(_key_alias(i) for i in range(len(renders)))
+    return (f"SELECT {grouped}, argMax({_H}, {_V}), toString(max({_V})), argMax({_D}, {_V}), "
             f"(SELECT toString(max({_VERSION})) FROM {names.truncations}) FROM ("
-            f"SELECT {keys}, lower(hex(MD5({row_text(table)}))) AS h, {_VERSION} AS v, {_DELETED} AS d "
+            f"SELECT {keys}, lower(hex(MD5({row_text(table)}))) AS {_H}, {_VERSION} AS {_V}, {_DELETED} AS {_D} "
             f"FROM {names.live} WHERE {where}) GROUP BY {grouped}")
 
 

@@ -51,9 +51,11 @@ def version_counts(names: sql.TableNames) -> str:
 
 def bucket_digests(names: sql.TableNames, digits: int) -> str:
     """Binds nothing: `digits` is an int the caller checked."""
-    return (f"SELECT b, COUNT(*), MD5(LISTAGG(h, '') WITHIN GROUP (ORDER BY h)) FROM ("
-            f"SELECT SUBSTR(MD5({key_text(names.table)}), 1, {int(digits)}) AS b, MD5({row_text(names.table)}) AS h "
-            f"FROM {names.view}) GROUP BY b")
+    # Aliases no source column can have (a column named `h` must stay that column in the row's text).
+    return (f"SELECT _siphon_digest_bucket, COUNT(*), MD5(LISTAGG(_siphon_digest_hash, '') WITHIN GROUP "
+            f"(ORDER BY _siphon_digest_hash)) FROM (SELECT SUBSTR(MD5({key_text(names.table)}), 1, {int(digits)}) "
+            f"AS _siphon_digest_bucket, MD5({row_text(names.table)}) AS _siphon_digest_hash "
+            f"FROM {names.view}) GROUP BY _siphon_digest_bucket")
 
 
 def latest_rows(names: sql.TableNames, where: str) -> str:
