@@ -9,6 +9,8 @@ import dagster as dg
 import psycopg
 
 from siphon_dagster import cli, runs, source
+from siphon_dagster.checks.definitions import checks_job_name
+from siphon_dagster.specs import group_name
 from siphon_dagster.targets import build_target
 from tests.integration.test_checks import (  # noqa: F401 (stack is a fixture)
     drain_once,
@@ -34,6 +36,7 @@ def test_repair_of_a_table_fixes_what_row_parity_names_and_snapshots_only_its_pa
     schema = config.tables[0].schema_name
     items, pairs = (runs.find_spec(config, f"{schema}.{name}") for name in ("items", "pairs"))
     assert len(instance.get_dynamic_partitions(items.partitions_def_name)) > 1  # so "only" means something
+    checks_job = checks_job_name(group_name(config.application_identifier))
     drain_once(defs, specs, instance)
     hand_edit_clickhouse(config, schema)  # id 3 deleted, id 5 changed, 900001 and 900002 inserted; pairs: one extra
     hand_edit_snowflake(config, schema)
@@ -54,7 +57,7 @@ def test_repair_of_a_table_fixes_what_row_parity_names_and_snapshots_only_its_pa
 
     # What ran: one snapshot run per target, of the named partition alone, then the checks.
     new_runs = [run for run in instance.get_runs() if run.run_id not in before]
-    snapshot_runs = {run.run_id for run in new_runs if run.asset_selection}
+    snapshot_runs = {run.run_id for run in new_runs if run.job_name != checks_job}
     assert len(snapshot_runs) == len(TARGETS)
     for target in TARGETS:
         assert materialized_partitions(instance, items.target_key(target), snapshot_runs) == [NAMED]
@@ -77,7 +80,7 @@ def test_repair_of_a_table_fixes_what_row_parity_names_and_snapshots_only_its_pa
                      "--target", "clickhouse"]) == 0
     out = capsys.readouterr().out
     assert "row parity found 1 divergent keys (1 extra at target)" in out and "1 tombstoned" in out, out
-    assert not any(run.asset_selection for run in instance.get_runs() if run.run_id not in before)
+    assert [run.job_name for run in instance.get_runs() if run.run_id not in before] == [checks_job]
     destination = build_target("clickhouse", config)
     try:
         assert target_rows(destination, pairs_table) == source_rows(config.source.dsn, pairs_table)
