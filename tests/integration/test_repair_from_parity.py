@@ -12,13 +12,13 @@ from siphon_dagster import cli, runs, source
 from siphon_dagster.checks.definitions import checks_job_name
 from siphon_dagster.specs import group_name
 from siphon_dagster.targets import build_target
+from tests.helpers.application import rows_as_text
 from tests.integration.test_checks import (  # noqa: F401 (stack is a fixture)
     drain_once,
     hand_edit_clickhouse,
     hand_edit_snowflake,
     stack,
 )
-from tests.integration.test_end_to_end import source_rows, target_rows
 
 TARGETS = ("clickhouse", "snowflake")
 NAMED = "00000000-00000015"  # the partition of items holding ids 3 and 5, which the hand edits change
@@ -66,11 +66,11 @@ def test_repair_of_a_table_fixes_what_row_parity_names_and_snapshots_only_its_pa
     with psycopg.connect(config.source.dsn) as connection:
         table = source.table_schema(connection, items.table)
         pairs_table = source.table_schema(connection, pairs.table)
-    expected = source_rows(config.source.dsn, table)
+    expected = rows_as_text(config.source.dsn, table)
     for target in TARGETS:
         destination = build_target(target, config)
         try:
-            assert target_rows(destination, table) == expected, target
+            assert destination.current_rows_as_text(table) == expected, target
         finally:
             destination.close()
 
@@ -83,7 +83,7 @@ def test_repair_of_a_table_fixes_what_row_parity_names_and_snapshots_only_its_pa
     assert [run.job_name for run in instance.get_runs() if run.run_id not in before] == [checks_job]
     destination = build_target("clickhouse", config)
     try:
-        assert target_rows(destination, pairs_table) == source_rows(config.source.dsn, pairs_table)
+        assert destination.current_rows_as_text(pairs_table) == rows_as_text(config.source.dsn, pairs_table)
     finally:
         destination.close()
 
