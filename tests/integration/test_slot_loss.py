@@ -369,7 +369,7 @@ def e2e_config(request: pytest.FixtureRequest, app: Application, tmp_path: Path)
         "application_identifier": app.identifier,
         "source": {"dsn": app.dsn},
         "queue": {"url": app.nats_url},
-        "tables": [{"name": app.qualified(t), "blocks_per_partition": 1} for t in E2E_TABLES],
+        "tables": [{"name": app.qualified(t), "blocks_per_partition": 2} for t in E2E_TABLES],
         "targets": {name: target_settings(request, name, app.identifier) for name in E2E_TARGETS},
         # Batches are decoded in the run's process (no Spark JVM to start): the test is about the gap.
         "streaming": {"batch_max_wait_seconds": 0.3, "driver_decode_max_bytes": 100_000_000},
