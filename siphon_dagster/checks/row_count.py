@@ -67,12 +67,14 @@ def read_counts(context: CheckContext) -> tuple[CountRead | None, dict, str]:
 def _exact(context: CheckContext, connection: psycopg.Connection[Any], table: TableSchema, version: int,
            band: CountBand) -> tuple[ExactCount | None, str]:
     limit = context.settings.row_count_max_changed_keys
-    changed = context.target.rows_after(table, version, limit)
+    # Keys alone: a column the target lacks (schema parity's finding) must not stop the count.
+    keys = TableSchema(table.schema, table.table, table.key_columns)
+    changed = context.target.rows_after(keys, version, limit)
     if len(changed) > limit:
         return None, f"more than {limit} keys changed since the read (checks.row_count_max_changed_keys)"
     if context.target.version_counts(table, version).at_or_below != band.at_or_below:
         return None, "the stream applied changes while the target was read"
-    held = len(source_digest.key_rows(connection, table, list(changed))) if changed else 0
+    held = len(source_digest.key_rows(connection, keys, list(changed))) if changed else 0
     return ExactCount(band.source, band.at_or_below, len(changed), held), ""
 
 
