@@ -30,7 +30,6 @@ from snapshot import (
     source_count,
 )
 
-from siphon_core import naming
 from siphon_core.config import ClickHouseTargetConfig
 from siphon_dagster import source
 from siphon_dagster.checks import source_digest
@@ -83,9 +82,10 @@ def main() -> int:
 
         print("row parity steps...", flush=True)
         digits = bucket_digits(rows)
-        with source_digest.snapshot_read(dsn) as connection:
+        with source_digest.snapshot_read(dsn) as read:
+            connection = read.connection
             source_rows, source_count_seconds = timed(source_digest.count_rows, connection, table)
-            lsn = source_digest.snapshot_lsn(connection)
+            source_digest.snapshot_lsn(connection)  # as row parity reads it (nothing streams here)
             source_digests, source_seconds = timed(source_digest.bucket_digests, connection, table, digits)
             rss_before = rss_mb(clickhouse_pid)
             target_digests, target_seconds = timed(target.bucket_digests, table, digits)
@@ -95,7 +95,7 @@ def main() -> int:
                                                             buckets)
         target_bucket_rows, target_rows_seconds = timed(target.bucket_rows, table, digits, buckets)
         divergent, in_flight = classify(source_bucket_rows.keys() | target_bucket_rows.keys(), source_bucket_rows,
-                                        target_bucket_rows, naming.row_version(lsn, 0), TABLE.blocks_per_partition)
+                                        target_bucket_rows, read.version_before, TABLE.blocks_per_partition)
         target.close()
         assert source_rows == rows and len(divergent) == drifted and not in_flight, (len(divergent), drifted)
         total = source_count_seconds + source_seconds + target_seconds + source_rows_seconds + target_rows_seconds

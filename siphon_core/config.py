@@ -441,6 +441,9 @@ class ChecksConfig(_Model):
     # Reads of a table whose counts or rows are still moving with the stream, before a verdict.
     settle_attempts: int = Field(default=3, ge=1)
     settle_interval_seconds: float = Field(default=2.0, ge=0)
+    # Row count compares a busy table exactly by reading, at the source's read, the keys changed since at
+    # the target; past this many such keys it cannot tell and warns.
+    row_count_max_changed_keys: int = Field(default=100_000, ge=0)
 
     @field_validator("schedule")
     @classmethod

@@ -63,16 +63,21 @@ def main(config: SiphonConfig, definitions: dg.Definitions, table: str | None, t
         return 2
     evaluations = run_checks(definitions, group_name(config.application_identifier), keys,
                              dg.DagsterInstance.get(), quiet=True)
+    return 0 if print_results(keys, evaluations) else 1
+
+
+def print_results(keys: list[dg.AssetCheckKey], evaluations: list[dg.AssetCheckEvaluation]) -> bool:
+    """One line per check of `keys`, in their order; True when none of ERROR severity failed (or did not run)."""
     by_key = {(e.asset_key, e.check_name): e for e in evaluations}
-    failed = False
+    passed = True
     for key in keys:
         evaluation = by_key.get((key.asset_key, key.name))
         if evaluation is None:
             print(f"FAIL  {key.asset_key.to_user_string()}  {key.name}  did not run (see the run's log)")
-            failed = True
+            passed = False
             continue
         print(status_line(evaluation))
-        failed = failed or (not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR)
-    return 1 if failed else 0
+        passed = passed and (evaluation.passed or evaluation.severity != dg.AssetCheckSeverity.ERROR)
+    return passed
 
 

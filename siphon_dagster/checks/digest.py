@@ -119,5 +119,30 @@ class CountBand:
                 f"{self.above} rows and {self.tombstones_above} deletions after it")
 
 
+@dataclass(frozen=True)
+class ExactCount:
+    """The source's rows at one read against the target's once the stream applied past it, key by key.
+
+    A key the target holds with no version above the read's V changed in nothing the read missed or
+    the stream has not applied, so the read holds it exactly when the target's current rows do; a
+    key with a newer version (or a tombstone) is looked up in the read itself. So without drift
+    `source` = `unchanged` + `changed_at_source`, however busy the table."""
+
+    source: int  # S: rows the read counted
+    unchanged: int  # C1: current target rows with no version above V
+    changed_keys: int  # keys with a version above V at the target (current or deleted)
+    changed_at_source: int  # of those, keys the read holds
+
+    @property
+    def difference(self) -> int:
+        """Target rows minus source rows among the keys unchanged since the read: drift when not 0."""
+        return self.unchanged - (self.source - self.changed_at_source)
+
+    def describe(self) -> str:
+        return (f"source {self.source} rows, of which {self.source - self.changed_at_source} unchanged since the "
+                f"read; target {self.unchanged} such rows ({self.changed_keys} keys changed since, "
+                f"{self.changed_at_source} of them in the read)")
+
+
 def _sortable(key: tuple[str | None, ...]) -> tuple:
     return tuple((v is None, v or "") for v in key)

@@ -207,6 +207,10 @@ class Target(Protocol):
     def key_rows(self, table: TableSchema, keys: Sequence[tuple[str, ...]]) -> dict[tuple[str, ...], TargetRow]:
         """The latest version of keys given as text, tombstones included."""
 
+    def rows_after(self, table: TableSchema, version: int, limit: int) -> dict[tuple[str, ...], TargetRow]:
+        """The latest version of every key changed after `version` (tombstones included; every key when a
+        TRUNCATE came after it), at most `limit` + 1 of them: more than `limit` tells the caller to give up."""
+
     def drop_table(self, table: TableSchema) -> None:
         """Drops the table and its view (resync rebuilds it)."""
 

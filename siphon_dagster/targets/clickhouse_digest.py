@@ -9,7 +9,13 @@ from __future__ import annotations
 from siphon_dagster.checks.digest import SEPARATOR_CODE
 from siphon_dagster.targets.base import DELETED_COLUMN, VERSION_COLUMN
 from siphon_dagster.targets.names import TableNames
-from siphon_dagster.targets.sql_dialect import SqlDialect, Statement
+from siphon_dagster.targets.sql_dialect import (
+    DIGEST_DELETED,
+    DIGEST_HASH,
+    DIGEST_VERSION,
+    SqlDialect,
+    Statement,
+)
 
 
 class ClickHouseCheckStatements(SqlDialect):
@@ -25,8 +31,9 @@ class ClickHouseCheckStatements(SqlDialect):
         bound = bind.version(version)
         v, d = self.quote(VERSION_COLUMN), self.quote(DELETED_COLUMN)
         current = bind.statement(f"SELECT countIf({v} <= {bound}), countIf({v} > {bound}) FROM {names.view}")
-        deleted = bind.statement(f"SELECT countIf(d = 1) FROM (SELECT argMax({d}, {v}) AS d FROM {names.live} "
-                                 f"WHERE {v} > {bound} GROUP BY {self.key_order(names.table)})")
+        alias = DIGEST_DELETED
+        deleted = bind.statement(f"SELECT countIf({alias} = 1) FROM (SELECT argMax({d}, {v}) AS {alias} "
+                                 f"FROM {names.live} WHERE {v} > {bound} GROUP BY {self.key_order(names.table)})")
         return [current, deleted]
 
     def digest_of_hashes(self, hashes: str) -> str:
@@ -39,9 +46,11 @@ class ClickHouseCheckStatements(SqlDialect):
         table = names.table
         v, d = self.quote(VERSION_COLUMN), self.quote(DELETED_COLUMN)
         renders = self.rendered_columns(table, [c.name for c in table.key_columns])
-        keys = ", ".join(f"COALESCE({r}, '') AS {self.quote(f'k{i}')}" for i, r in enumerate(renders))
-        grouped = ", ".join(self.quote(f"k{i}") for i in range(len(renders)))
-        return (f"SELECT {grouped}, argMax(h, v), toString(max(v)), argMax(d, v), "
+        aliases = [self.quote(f"_siphon_digest_key_{i}") for i in range(len(renders))]
+        keys = ", ".join(f"COALESCE({r}, '') AS {a}" for r, a in zip(renders, aliases, strict=True))
+        grouped = ", ".join(aliases)
+        h, ver, dl = DIGEST_HASH, DIGEST_VERSION, DIGEST_DELETED
+        return (f"SELECT {grouped}, argMax({h}, {ver}), toString(max({ver})), argMax({dl}, {ver}), "
                 f"(SELECT toString(max({v})) FROM {names.truncations}) FROM ("
-                f"SELECT {keys}, {self.md5_hex(self.row_text(table))} AS h, {v} AS v, {d} AS d "
+                f"SELECT {keys}, {self.md5_hex(self.row_text(table))} AS {h}, {v} AS {ver}, {d} AS {dl} "
                 f"FROM {names.live} WHERE {where}) GROUP BY {grouped}")

@@ -25,6 +25,11 @@ from siphon_dagster.targets.names import TableNames
 from siphon_dagster.targets.type_mapping import TargetType
 
 # Staging columns: positional names, so awkward source names never reach a staging table.
+# Aliases of the checks' statements that no source column can have: an alias is visible in the
+# whole query in ClickHouse and wins over a column of the same name, so an alias `v` would read a
+# source column `v` as the row's version.
+DIGEST_BUCKET, DIGEST_HASH, DIGEST_VERSION, DIGEST_DELETED = (
+    f"_siphon_digest_{name}" for name in ("bucket", "hash", "version", "deleted"))
 STAGE_VERSION = "_v"
 STAGE_DELETED = "_d"
 
@@ -271,8 +276,17 @@ class SqlDialect(ABC):
         return f"SUBSTRING({self.md5_hex(self.key_text(table))}, 1, {int(digits)})"
 
     def bucket_digests(self, names: TableNames, digits: int) -> str:
-        return (f"SELECT b, COUNT(*), {self.digest_of_hashes('h')} FROM (SELECT {self.bucket(names.table, digits)} "
-                f"AS b, MD5({self.row_text(names.table)}) AS h FROM {names.view}) GROUP BY b")
+        b, h = DIGEST_BUCKET, DIGEST_HASH
+        return (f"SELECT {b}, COUNT(*), {self.digest_of_hashes(h)} FROM (SELECT {self.bucket(names.table, digits)} "
+                f"AS {b}, MD5({self.row_text(names.table)}) AS {h} FROM {names.view}) GROUP BY {b}")
+
+    def rows_after(self, names: TableNames, version: int, limit: int) -> Statement:
+        """The latest row of every key changed after `version`, or of every key when a TRUNCATE came
+        after it; at most `limit` + 1 keys."""
+        bind = self.bindings()
+        v = self.quote(VERSION_COLUMN)
+        where = (f"({v} > {bind.version(version)} OR {self.latest_truncation(names)} > {bind.version(version)})")
+        return bind.statement(f"{self.latest_rows(names, where)} LIMIT {int(limit) + 1}")
 
     def bucket_rows(self, names: TableNames, digits: int, buckets: Sequence[str]) -> Statement:
         bind = self.bindings()

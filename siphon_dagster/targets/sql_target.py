@@ -341,6 +341,11 @@ class SqlTarget(ABC):
             found.update(target_rows(rows, len(table.key_columns)))
         return found
 
+    def rows_after(self, table: TableSchema, version: int, limit: int) -> dict[tuple[str, ...], TargetRow]:
+        names = self._names(table)
+        rows = self._fetch(names, "reading rows changed after a version", *self.dialect.rows_after(names, version, limit))
+        return target_rows(rows, len(table.key_columns))
+
     # -- resync -------------------------------------------------------------------------------------
 
     def create_shadow(self, table: TableSchema) -> None:

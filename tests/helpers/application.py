@@ -53,16 +53,7 @@ class Application:
     def rows_as_text(self, table: TableSchema) -> list[tuple[str | None, ...]]:
         """Every row as the server prints its values (as pgoutput and COPY send them), ordered by key
         like `Target.current_rows_as_text`."""
-        query = sql.SQL("select {} from {} order by {}").format(
-            sql.SQL(", ").join(map(sql.Identifier, table.column_names)), sql.Identifier(table.schema, table.table),
-            sql.SQL(", ").join(sql.Identifier(c.name) for c in table.key_columns))
-        with source.connect(self.dsn) as connection, connection.cursor() as cursor:
-            cursor.execute(query)
-            result = cursor.pgresult
-            assert result is not None
-            values = [[result.get_value(row, column) for column in range(result.nfields)]
-                      for row in range(result.ntuples)]
-        return [tuple(None if value is None else bytes(value).decode() for value in row) for row in values]
+        return rows_as_text(self.dsn, table)
 
     def config(self, tables: list[str | dict[str, Any]], dsn: str | None = None, **producer: Any) -> dict[str, Any]:
         qualified = [self.qualified(t) if isinstance(t, str) else {**t, "name": self.qualified(t["name"])}
@@ -92,3 +83,18 @@ class Application:
             process.ensure_stopped()
         drop_application(dsn or self.dsn, self.nats_url, self.identifier)
         execute(self.dsn, sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(self.schema)))
+
+
+def rows_as_text(dsn: str, table: TableSchema) -> list[tuple[str | None, ...]]:
+    """Every row of `table` at `dsn` as the server prints its values, ordered by key (see
+    `Application.rows_as_text`)."""
+    query = sql.SQL("select {} from {} order by {}").format(
+        sql.SQL(", ").join(map(sql.Identifier, table.column_names)), sql.Identifier(table.schema, table.table),
+        sql.SQL(", ").join(sql.Identifier(c.name) for c in table.key_columns))
+    with source.connect(dsn) as connection, connection.cursor() as cursor:
+        cursor.execute(query)
+        result = cursor.pgresult
+        assert result is not None
+        values = [[result.get_value(row, column) for column in range(result.nfields)]
+                  for row in range(result.ntuples)]
+    return [tuple(None if value is None else bytes(value).decode() for value in row) for row in values]

@@ -8,23 +8,36 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
+import psycopg
 import pytest
+import yaml
+from psycopg import sql
 
 from siphon_core import naming
-from siphon_core.config import SiphonConfig, parse_config
+from siphon_core.config import SiphonConfig, load_config, parse_config
 from siphon_core.gaps import LOST, RESUMED, SlotGap
 from siphon_core.queue import JetStreamQueue, StreamSettings
-from siphon_dagster.definitions import build_resources
+from siphon_dagster import runs, source
+from siphon_dagster.checks.command import run_checks, selected_keys
+from siphon_dagster.checks.definitions import checks_job_name
+from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.gap_sensor import GAP_TAG, build_gap_sensor
 from siphon_dagster.specs import group_name, table_specs
+from siphon_dagster.targets import build_target
+from siphon_dagster.targets.base import TableSchema
 from siphon_stack.postgres import PostgresServer, find_bindir
 from siphon_stack.process import free_port
-from tests.helpers.application import Application
+from tests.helpers.application import Application, rows_as_text
 from tests.helpers.producer import current_lsn, execute, wait_until
+from tests.integration.test_checks import Streaming
+from tests.integration.test_targets_version_rule import target_settings
 
 TABLES = ["a", "b"]
 
@@ -301,3 +314,180 @@ def test_a_slot_invalidated_by_the_server_is_recorded_and_replaced(app: Applicat
     assert restarted.stop() == 0
     # The application's slot lives on this server; drop it before the server goes.
     execute(dsn, "select pg_drop_replication_slot(%s)", (app.slot,))
+
+
+# --- end to end: a lost slot under a live writer, rebuilt by the gap sensor's resyncs ---------------
+E2E_TABLES = ["orders", "lines"]
+E2E_TARGETS = ("clickhouse", "snowflake")
+
+
+class Writer:
+    """Inserts, updates and deletes in both tables, one small transaction after another, until stopped."""
+
+    def __init__(self, app: Application) -> None:
+        self.app = app
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.transactions = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rnd = random.Random(7)
+        try:
+            with psycopg.connect(self.app.dsn, autocommit=True) as connection:
+                while not self.stop.is_set():
+                    table = self.app.table(rnd.choice(E2E_TABLES))
+                    choice = rnd.random()
+                    if choice < 0.4:
+                        connection.execute(sql.SQL("insert into {} (v, n) values (%s, %s)").format(table),
+                                           (f"live {self.transactions}", self.transactions))
+                    elif choice < 0.8:
+                        connection.execute(sql.SQL("update {} set n = n + 1, v = v || '.' where id = %s")
+                                           .format(table), (rnd.randint(100, 400),))
+                    else:
+                        connection.execute(sql.SQL("delete from {} where id = %s").format(table),
+                                           (rnd.randint(100, 400),))
+                    self.transactions += 1
+                    time.sleep(0.02)
+        except BaseException as error:  # surfaced by the test
+            self.errors.append(error)
+
+    def halt(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def e2e_config(request: pytest.FixtureRequest, app: Application, tmp_path: Path) -> Iterator[tuple[SiphonConfig, Path]]:
+    """Both tables seeded, a siphon.yaml with both targets (a database and a schema of this test's own)."""
+    for table in E2E_TABLES:
+        app.sql(f"create table {{schema}}.{table} (id bigserial primary key, v text not null, n integer)")
+        app.sql(f"insert into {{schema}}.{table} (v, n) select 'seed ' || g, g from generate_series(1, 400) g")
+    path = tmp_path / "siphon.yaml"
+    path.write_text(yaml.safe_dump({
+        "application_identifier": app.identifier,
+        "source": {"dsn": app.dsn},
+        "queue": {"url": app.nats_url},
+        "tables": [{"name": app.qualified(t), "blocks_per_partition": 2} for t in E2E_TABLES],
+        "targets": {name: target_settings(request, name, app.identifier) for name in E2E_TARGETS},
+        # Batches are decoded in the run's process (no Spark JVM to start): the test is about the gap.
+        "streaming": {"batch_max_wait_seconds": 0.3, "driver_decode_max_bytes": 100_000_000},
+        "checks": {"settle_timeout_seconds": 90, "settle_interval_seconds": 1},
+    }))
+    config = load_config(path)
+    try:
+        yield config, path
+    finally:
+        for name in E2E_TARGETS:
+            destination = build_target(name, config)
+            try:
+                for spec in table_specs(config):
+                    destination.drop_table(TableSchema(spec.schema, spec.name, ()))
+            finally:
+                destination.close()
+
+
+def e2e_differences(config: SiphonConfig) -> list[str]:
+    problems = []
+    for spec in table_specs(config):
+        with source.connect(config.source.dsn) as connection:
+            table = source.table_schema(connection, spec.table)
+        keys = [i for i, c in enumerate(table.columns) if c.primary_key]
+        expected = {tuple(row[i] for i in keys): row for row in rows_as_text(config.source.dsn, table)}
+        for name in E2E_TARGETS:
+            destination = build_target(name, config)
+            try:
+                actual = {tuple(row[i] for i in keys): row for row in destination.current_rows_as_text(table)}
+            finally:
+                destination.close()
+            if actual != expected:
+                missing, extra = expected.keys() - actual.keys(), actual.keys() - expected.keys()
+                differing = sorted(k for k in expected.keys() & actual.keys() if expected[k] != actual[k])
+                problems.append(f"{spec.qualified_name} at {name}: missing {sorted(missing)[:5]}, extra "
+                                f"{sorted(extra)[:5]}, differing {differing[:5]}")
+    return problems
+
+
+def test_a_lost_slot_under_a_live_writer_is_rebuilt_by_the_gap_sensors_resyncs_until_every_check_passes(
+        app: Application, e2e_config: tuple[SiphonConfig, Path]) -> None:
+    config, config_path = e2e_config
+    specs = table_specs(config)
+    defs = build_definitions(config)
+    producer = app.producer(E2E_TABLES)
+    writer = Writer(app)
+    streaming = Streaming(config_path)
+    with dg.instance_for_test() as instance:
+        # Loaded and streaming under a live writer (the snapshots and the stream meet by the apply rule).
+        writer.thread.start()
+        streaming.start()
+        try:
+            runs.refresh_partitions(instance, config, specs)
+            for spec in specs:
+                spans = runs.partition_spans(instance, spec, "all")
+                for target in E2E_TARGETS:
+                    assert all(o.success for o in runs.snapshot(config, spec, target, spans, instance))
+            wait_until(lambda: writer.transactions > 50, 30, "the writer busy")
+
+            # The slot is lost while the producer is down, and changes are committed meanwhile: no
+            # slot ever decodes them.
+            assert producer.stop() == 0
+            execute(app.dsn, "select pg_drop_replication_slot(%s)", (app.slot,))
+            for table in E2E_TABLES:
+                app.sql(f"insert into {{schema}}.{table} (id, v, n) values (100001, 'lost insert', 1)")
+                app.sql(f"update {{schema}}.{table} set v = 'lost update' where id in (10, 11)")
+                app.sql(f"delete from {{schema}}.{table} where id in (20, 21)")
+            time.sleep(1)  # the writer's changes are lost too
+            app.producer(E2E_TABLES)
+            for table in E2E_TABLES:
+                app.sql(f"insert into {{schema}}.{table} (id, v, n) values (100002, 'after the gap', 2)")
+
+            # The stream goes on after the gap, and the gap is real: the lost delete never arrives.
+            clickhouse = build_target("clickhouse", config)
+            try:
+                tables = {spec.name: app.table_schema(spec.name) for spec in specs}
+
+                def ids(table: TableSchema) -> set[str | None]:
+                    return {row[0] for row in clickhouse.current_rows_as_text(table)}
+
+                wait_until(lambda: all("100002" in ids(t) for t in tables.values()), 120,
+                           "the change after the gap applied")
+                for table in tables.values():
+                    assert "20" in ids(table) and "100001" not in ids(table)
+            finally:
+                clickhouse.close()
+
+            # The gap sensor, as the daemon runs it: it requests a resync of every table.
+            sensor = next(s for s in defs.sensors if s.name == naming.gap_sensor_name(app.identifier))
+            context = dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs)
+            result = sensor(context)
+            assert isinstance(result, dg.SensorResult), result
+            assert sorted(r.job_name for r in result.run_requests) == sorted(s.resync_job_name for s in specs)
+            for event in result.asset_events:
+                instance.report_runless_asset_event(event)
+
+            # Each requested run executes (it ends by running the table's checks, under the writer).
+            for request in result.run_requests:
+                job = defs.resolve_job_def(request.job_name)
+                run = job.execute_in_process(instance=instance, tags=request.tags, raise_on_error=False)
+                failures = [e.step_failure_data.error.message for e in run.all_events if e.is_step_failure]
+                print("\n".join(failures))  # shown in full when the test fails
+                assert run.success, failures
+                assert run.dagster_run.tags[GAP_TAG] == request.tags[GAP_TAG]
+            # The resyncs' checks ran as runs of the checks job, one per table, and no ERROR check failed.
+            checks_runs = instance.get_runs(dg.RunsFilter(job_name=checks_job_name(group_name(app.identifier))))
+            assert len(checks_runs) == len(specs)
+            assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in checks_runs)
+
+            writer.halt()
+            wait_until(lambda: not e2e_differences(config), 60, "every table equal to its source")
+        finally:
+            writer.stop.set()
+            streaming.halt()
+        assert not e2e_differences(config), e2e_differences(config)
+        # Afterwards every check passes at every target, as `siphon-dagster check` runs them.
+        results = run_checks(defs, group_name(config.application_identifier), selected_keys(config, None, None),
+                             instance)
+        assert len(results) == len(specs) * len(E2E_TARGETS) * 4
+        failed = [f"{e.asset_key.to_user_string()} {e.check_name}: {e.description}" for e in results if not e.passed]
+        assert not failed, failed

@@ -11,6 +11,7 @@ from siphon_dagster.checks.digest import (
     MISSING,
     CountBand,
     DivergentKey,
+    ExactCount,
     ParityReport,
     SourceRow,
     bucket_digits,
@@ -18,6 +19,8 @@ from siphon_dagster.checks.digest import (
     mismatched_buckets,
     partition_key,
 )
+from siphon_dagster.checks.outcome import ERROR, WARN
+from siphon_dagster.checks.row_count import CountRead, verdict
 from siphon_dagster.checks.schema_parity import compare
 from siphon_dagster.targets.base import BucketDigest, SourceColumn, TableSchema, TargetColumn, TargetRow
 
@@ -150,3 +153,62 @@ def test_every_target_asset_has_the_four_checks_and_a_schedule(enabled):
     assert schedule.cron_schedule == "*/30 * * * *"
     assert schedule.default_status == (dg.DefaultScheduleStatus.RUNNING if enabled else dg.DefaultScheduleStatus.STOPPED)
     assert schedule.job_name == "siphon_dev_main_checks_job"
+
+
+# --- row count: the exact comparison of a busy table -------------------------------------------------
+@pytest.mark.parametrize(("source", "unchanged", "changed", "held", "difference"), [
+    (100, 100, 0, 0, 0),  # quiet and converged
+    (100, 90, 14, 10, 0),  # busy: 10 keys the read holds changed since, 4 inserted after it
+    (100, 88, 14, 10, -2),  # busy, and 2 rows deleted by hand at the target: inside the band, still drift
+    (100, 91, 12, 10, 1),  # busy, and a row added by hand
+    (100, 0, 100, 100, 0),  # every row changed since the read (a TRUNCATE after it)
+])
+def test_exact_count_difference(source, unchanged, changed, held, difference):
+    assert ExactCount(source, unchanged, changed, held).difference == difference
+
+
+def _read(source, c1, c2, t2, exact=None, why="the stream applied changes while the target was read"):
+    band = CountBand(source, c1, c2, t2)
+    if exact is None:
+        return CountRead(band, None, why)
+    changed, held = exact
+    return CountRead(band, ExactCount(source, c1, changed, held))
+
+
+def test_row_count_passes_an_exact_match_on_a_busy_table_at_once():
+    outcome = verdict([_read(100, 90, 6, 4, exact=(14, 10))], attempts=3)
+    assert outcome is not None and outcome.passed
+    assert outcome.summary == "100 rows at both ends (14 keys changed since the read, compared at it)"
+
+
+def test_row_count_fails_drift_inside_the_in_flight_band_once_two_reads_disagree_exactly():
+    # 2 rows deleted by hand among the unchanged ones: the band (88 <= 100 <= 88 + 6 + 8) cannot see it.
+    first = _read(100, 88, 6, 8, exact=(14, 10))
+    assert not first.band.drift
+    assert verdict([first], attempts=3) is None  # read again: one disagreement is not yet a verdict
+    outcome = verdict([first, _read(101, 87, 8, 8, exact=(16, 12))], attempts=3)
+    assert outcome is not None and not outcome.passed and outcome.severity == ERROR
+    assert outcome.summary.startswith("drift: 2 rows missing at the target among keys unchanged since the source's "
+                                      "read: source 101 rows, of which 89 unchanged since the read; target 87")
+
+
+def test_row_count_fails_a_single_exact_disagreement_when_no_read_is_left():
+    outcome = verdict([_read(400, 401, 0, 0, exact=(0, 0))], attempts=1)
+    assert outcome is not None and not outcome.passed and "1 rows extra at the target" in outcome.summary
+
+
+def test_row_count_passes_once_a_later_read_matches():
+    reads = [_read(100, 88, 6, 8, exact=(14, 10)), _read(100, 90, 6, 4, exact=(14, 10))]
+    assert verdict(reads, attempts=3).passed
+
+
+def test_row_count_without_an_exact_read_fails_only_band_drift_and_otherwise_warns():
+    inside = [_read(100, 97, 5, 1), _read(100, 96, 6, 1), _read(100, 96, 6, 1)]
+    assert verdict(inside[:2], attempts=3) is None
+    outcome = verdict(inside, attempts=3)
+    assert outcome is not None and not outcome.passed and outcome.severity == WARN
+    assert "could not compare exactly in 3 reads (the stream applied changes while the target was read)" in \
+        outcome.summary
+    outside = [_read(100, 101, 0, 0)] * 3
+    drift = verdict(outside, attempts=3)
+    assert not drift.passed and drift.severity == ERROR and drift.summary.startswith("drift: source 100 rows")

@@ -8,7 +8,9 @@ from siphon_core import naming
 from siphon_core.config import ConfigError, parse_config
 from siphon_core.replication import ReplicationError
 from siphon_dagster import runs
+from siphon_dagster.checks.digest import DIFFERS, EXTRA, MISSING, DivergentKey, ParityReport
 from siphon_dagster.definitions import build_definitions
+from siphon_dagster.parity_repair import ParityRepair
 from siphon_dagster.repair import _tombstones
 from siphon_dagster.snapshot.blockers import BlockingBackend, SnapshotWaitLimitError, WaitReport
 from siphon_dagster.snapshot.load import is_connection_failure
@@ -112,3 +114,24 @@ def test_tombstones_carry_the_key_and_nothing_else():
     assert batch.to_pydict() == {"left": ["1", "2"], "body": [None, None], "right": ["a", "b"],
                                  "_siphon_version": [naming.row_version(0x10, 0)] * 2,
                                  "_siphon_deleted": [True, True]}
+
+
+def test_a_parity_repair_reports_what_row_parity_found_and_what_ran():
+    report = ParityReport(source_rows=1500, target_rows=1501, digits=1, buckets=16, mismatched_buckets=3,
+                          divergent=[DivergentKey(("3",), MISSING, "00000000-00000015"),
+                                     DivergentKey(("5",), DIFFERS, "00000000-00000015"),
+                                     DivergentKey(("900001",), EXTRA, None)],
+                          in_flight=[("77",)])
+    repair = ParityRepair("public.items", "clickhouse", report, report.partitions,
+                          [runs.RunOutcome("r1", True, "00000000-00000015", "00000000-00000015")])
+    assert repair.partitions == ["00000000-00000015"] and repair.success
+    assert repair.lines() == [
+        "public.items at clickhouse: row parity found 3 divergent keys (1 extra at target, 1 missing at target, "
+        "1 values differ) in 3 of 16 buckets; 1 keys still changing, left to the stream",
+        "public.items at clickhouse, partitions 00000000-00000015...00000000-00000015: re-snapshotted (run r1)",
+    ]
+    failed = ParityRepair("public.items", "clickhouse", report, report.partitions,
+                          [runs.RunOutcome("r2", False, "00000000-00000015", "00000000-00000015")])
+    assert not failed.success and "FAILED (run r2)" in failed.lines()[1]
+    clean = ParityRepair("public.items", "clickhouse", ParityReport(source_rows=10, buckets=1))
+    assert clean.success and clean.lines()[-1] == "public.items at clickhouse: nothing to repair"
