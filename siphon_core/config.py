@@ -360,6 +360,9 @@ class SparkConfig(_Model):
     # Local mode: at most this many tasks, hence Python workers, at once (reused between tasks), for
     # all the tables of a run together; None: one per core of `master`.
     max_python_workers: int | None = Field(default=None, ge=1)
+    # Local mode: a streaming run stops its session, and the JVM with its Python workers, once no
+    # batch has used it for this long (0: never); the next large batch starts one again.
+    idle_stop_seconds: float = Field(default=300.0, ge=0)
 
 
 class StreamingConfig(_Model):

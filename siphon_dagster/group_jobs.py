@@ -97,12 +97,17 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 consumer.exact_pending = False
             return consumer
 
+        def tick() -> None:
+            for aggregate in limiter.due(time.monotonic()):
+                materialize(aggregate)
+            spark.stop_if_idle()
+
         # Draining by hand cuts batches at the configured wait: the pace is for a run that keeps up.
         pace = None if config.stop_when_drained else BatchPace(streaming.batch_max_wait_seconds,
                                                                streaming.max_batches_per_second)
         runner = GroupRunner(queue, [spec.table for spec in group.specs], make_consumer, on_batch, on_failure,
                              retry_initial_seconds=config.retry_initial_seconds,
-                             tick=lambda: [materialize(a) for a in limiter.due(time.monotonic())],
+                             tick=tick,
                              pace=pace, apply_threads=streaming.apply_threads)
         started = time.monotonic()
         context.log.info(f"streaming {len(specs)} tables to {group.target}: {', '.join(group.tables)}")

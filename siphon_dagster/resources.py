@@ -123,3 +123,9 @@ class SparkResource(dg.ConfigurableResource):
         from siphon_dagster.streaming.spark_session import get_spark_session
 
         return get_spark_session(SparkConfig.model_validate(expand_settings(self.settings, "spark")))
+
+    def stop_if_idle(self) -> bool:
+        """Stops a local session idle for `spark.idle_stop_seconds`; whether it did."""
+        from siphon_dagster.streaming.spark_session import stop_if_idle
+
+        return stop_if_idle(SparkConfig.model_validate(expand_settings(self.settings, "spark")).idle_stop_seconds)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -17,6 +18,7 @@ import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
 from siphon_core.wire import siphon_pb2 as pb
+from siphon_dagster.streaming import spark_session
 from siphon_dagster.streaming.batch import ReceivedPackage
 from siphon_dagster.streaming.decode import DecodeSpec, value_column
 from siphon_dagster.streaming.schema import SchemaTracker
@@ -79,11 +81,15 @@ class BatchApplier:
         self.schemas = SchemaTracker(target, schema, table, source)
         self._preparing = threading.Lock()
 
-    @property
-    def spark(self) -> SparkSession:
-        if callable(self._spark) and not isinstance(self._spark, SparkSession):
-            self._spark = self._spark()
-        return self._spark
+    @contextmanager
+    def _session(self) -> Iterator[SparkSession]:
+        """The Spark session for one step; a session the applier is given as a callable may be
+        stopped while idle (`spark_session.stop_if_idle`) and is asked for again each time."""
+        if isinstance(self._spark, SparkSession) or not callable(self._spark):
+            yield self._spark
+            return
+        with spark_session.in_use(self._spark) as session:
+            yield session
 
     @property
     def qualified_name(self) -> str:
@@ -120,7 +126,8 @@ class BatchApplier:
             pieces = folded_pieces_in_driver(packages, spec, truncated_at)
             seconds["decode"] = _lap(started)
         else:
-            pieces = folded_pieces(self.spark, packages, spec, truncated_at)
+            with self._session() as spark:
+                pieces = folded_pieces(spark, packages, spec, truncated_at)
             seconds["spark"] = _lap(started)
         return PreparedBatch(packages, table, spec, pieces, truncated_at, seconds, in_driver=in_driver)
 
@@ -141,7 +148,8 @@ class BatchApplier:
         def history(keys: Sequence[bytes], positions: Sequence[int]) -> pa.Table:
             if prepared.in_driver:
                 return key_history_in_driver(packages, spec, keys, positions)
-            return key_history(self.spark, packages, spec, keys, positions)
+            with self._session() as spark:
+                return key_history(spark, packages, spec, keys, positions)
 
         folded, toast = fill_unchanged(folded, table, self.target, self.source, history)
         rows = change_rows(folded, table)

@@ -17,12 +17,15 @@ made again when it was stopped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from dagster_pyspark import LazyPySparkResource
 from pyspark.sql import SparkSession
@@ -41,6 +44,9 @@ _log = get_logger("streaming.spark")
 warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas", category=FutureWarning)
 _lock = threading.Lock()
 _session: SparkSession | None = None
+_remote = False  # whether the session is a Spark Connect client
+_users = 0  # blocks of `in_use` running now
+_last_used = 0.0  # monotonic time a block of `in_use` last ended
 
 # Settings a session may change at run time; they apply to local and remote sessions alike.
 _RUNTIME_DEFAULTS = {"spark.sql.execution.arrow.pyspark.enabled": "true"}
@@ -78,13 +84,14 @@ def local_cores(master: str) -> int:
 
 def get_spark_session(config: SparkConfig | None = None) -> SparkSession:
     """The process's session, created on first use with `config` (later calls reuse it while it lives)."""
-    global _session
+    global _session, _remote, _last_used
     config = config or SparkConfig()
     with _lock:
         if _session is not None and _is_alive(_session):
             return _session
         started = time.perf_counter()
         remote = remote_url(config)
+        _remote, _last_used = bool(remote), time.monotonic()
         if not remote:
             _prepare_driver_environment(config)
         _session = LazyPySparkResource(spark_config=spark_properties(config)).spark_session
@@ -104,6 +111,61 @@ def stop_spark_session() -> None:
         if _session is not None:
             _session.stop()
             _session = None
+
+
+@contextmanager
+def in_use(get: Callable[[], SparkSession]) -> Iterator[SparkSession]:
+    """The session `get` returns, which `stop_if_idle` leaves alone until the block ends."""
+    global _users, _last_used
+    with _lock:
+        _users += 1
+    try:
+        yield get()
+    finally:
+        with _lock:
+            _users -= 1
+            _last_used = time.monotonic()
+
+
+def stop_if_idle(idle_seconds: float) -> bool:
+    """Stops a local session that no batch has used for `idle_seconds` (0: never), and its JVM, whose
+    Python workers end with it: a run whose large batches were a backlog does not keep a few hundred
+    MB for small ones. The next large batch starts a session again. A Spark Connect client, which
+    holds no JVM here, is left alone. Whether it stopped one."""
+    global _session
+    with _lock:
+        if _session is None or _remote or _users or idle_seconds <= 0:
+            return False
+        idle = time.monotonic() - _last_used
+        if idle < idle_seconds:
+            return False
+        try:
+            _session.stop()
+        finally:
+            _session = None
+            _shut_down_jvm()
+    _log.info("spark session stopped", idle_seconds=round(idle))
+    return True
+
+
+def _shut_down_jvm() -> None:
+    """Ends the JVM pyspark started for this process; pyspark keeps it for the process's life
+    otherwise, and starts another for the next session once its gateway is cleared."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway  # noqa: SLF001 - pyspark offers no other way to let the JVM go
+    if gateway is None:
+        return
+    with contextlib.suppress(Exception):
+        gateway.shutdown()
+    process = getattr(gateway, "proc", None)
+    if process is not None:
+        # The JVM's gateway server exits when its standard input closes.
+        with contextlib.suppress(Exception):
+            process.stdin.close()
+            process.wait(timeout=30)
+    SparkContext._gateway = None  # noqa: SLF001
+    SparkContext._jvm = None  # noqa: SLF001
 
 
 def spark_properties(config: SparkConfig) -> dict[str, str]:
