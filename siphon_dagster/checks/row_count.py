@@ -91,8 +91,11 @@ def verdict(reads: Sequence[CountRead], attempts: int) -> Outcome | None:
     if mismatches:
         exact = mismatches[-1]
         where = "missing at" if exact.difference < 0 else "extra at"
+        # The figures of the read that disagreed (a later read may not have been exact).
         return Outcome(False, f"drift: {abs(exact.difference)} rows {where} the target among keys unchanged since "
-                              f"the source's read: {exact.describe()}")
+                              f"the source's read: {exact.describe()}",
+                       {"difference": exact.difference, "keys_changed_after_read": exact.changed_keys,
+                        "changed_keys_in_source_read": exact.changed_at_source})
     band = last.band
     if all(r.band.drift for r in reads):
         return Outcome(False, f"drift: {band.describe()}; expected {band.at_or_below} <= {band.source} <= "
