@@ -9,36 +9,30 @@ class Clock:
         return self.now
 
 
-def test_few_busy_tables_keep_the_configured_wait():
-    clock = Clock()
-    pace = BatchPace(1.0, max_batches_per_second=50, clock=clock)
-    for i in range(20):
+def busy(tables: int, floor: float, budget: float, clock: Clock | None = None) -> BatchPace:
+    """A pace whose `tables` tables each cut a batch just now."""
+    pace = BatchPace(floor, max_batches_per_second=budget, clock=clock or Clock())
+    for i in range(tables):
         pace.record(f"public.t{i}")
-    assert pace.wait_seconds() == 1.0
+    return pace
+
+
+def test_few_busy_tables_keep_the_configured_wait():
+    assert busy(20, floor=1.0, budget=50).wait_seconds() == 1.0
 
 
 def test_many_busy_tables_collect_longer_within_the_budget():
-    clock = Clock()
-    pace = BatchPace(1.0, max_batches_per_second=50, clock=clock)
-    for i in range(150):
-        pace.record(f"public.t{i}")
     # 150 tables, each cutting a batch every 3 s, make 50 batches per second.
-    assert pace.wait_seconds() == 3.0
+    assert busy(150, floor=1.0, budget=50).wait_seconds() == 3.0
 
 
 def test_the_wait_never_exceeds_the_ceiling():
-    clock = Clock()
-    pace = BatchPace(1.0, max_batches_per_second=10, clock=clock)
-    for i in range(500):
-        pace.record(f"public.t{i}")
-    assert pace.wait_seconds() == CEILING_SECONDS
+    assert busy(500, floor=1.0, budget=10).wait_seconds() == CEILING_SECONDS
 
 
 def test_tables_gone_quiet_stop_counting():
     clock = Clock()
-    pace = BatchPace(0.5, max_batches_per_second=10, clock=clock)
-    for i in range(40):
-        pace.record(f"public.t{i}")
+    pace = busy(40, floor=0.5, budget=10, clock=clock)
     assert pace.wait_seconds() == 4.0
     clock.now += BUSY_WITHIN_SECONDS + 1
     pace.record("public.t0")
@@ -47,7 +41,4 @@ def test_tables_gone_quiet_stop_counting():
 
 
 def test_a_ceiling_below_the_configured_wait_keeps_the_configured_wait():
-    pace = BatchPace(8.0, max_batches_per_second=1, clock=Clock())
-    for i in range(100):
-        pace.record(f"public.t{i}")
-    assert pace.wait_seconds() == 8.0
+    assert busy(100, floor=8.0, budget=1).wait_seconds() == 8.0
