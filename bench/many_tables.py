@@ -1,7 +1,7 @@
 """Many tables: 200 tables of mixed shapes streamed by `dagster dev`, as a user runs it.
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
-                                [--batch-wait-seconds 1.0]
+                                [--batch-wait-seconds 1.0] [--max-batches-per-second 50]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
@@ -127,7 +127,7 @@ def create_tables(dsn: str, names: list[str]) -> None:
 
 
 def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
-                 batch_wait_seconds: float) -> None:
+                 batch_wait_seconds: float, max_batches_per_second: float) -> None:
     path.write_text(yaml.safe_dump({
         "application_identifier": APPLICATION,
         "source": {"dsn": dsn},
@@ -135,7 +135,8 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         "producer": {"flush_interval_seconds": 0.2, "metrics_port": metrics_port, "status_interval_seconds": 0.5},
         "tables": [{"name": f"public.{name}"} for name in names],
         "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE}},
-        "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60},
+        "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60,
+                      "max_batches_per_second": max_batches_per_second},
         # The tables are created empty before the producer starts, so their streams hold every row
         # and there is nothing to snapshot (bench/snapshot.py measures loads); the hourly checks
         # would land in the measured minutes only when they cross an hour.
@@ -364,6 +365,8 @@ def main() -> int:
     parser.add_argument("--zipf", type=float, default=1.1, help="skew s: table k gets changes in proportion to 1/k^s")
     parser.add_argument("--batch-wait-seconds", type=float, default=1.0,
                         help="streaming.batch_max_wait_seconds: how long a batch collects after its first message")
+    parser.add_argument("--max-batches-per-second", type=float, default=50.0,
+                        help="streaming.max_batches_per_second: the run's budget of batches over all tables")
     args = parser.parse_args()
     names = table_names(args.tables)
     load_before = os.getloadavg()[0]
@@ -373,7 +376,7 @@ def main() -> int:
         config_path = directory / "siphon.yaml"
         metrics_port = free_port()
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port,
-                     args.batch_wait_seconds)
+                     args.batch_wait_seconds, args.max_batches_per_second)
         create_tables(stack.dsn, names)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
