@@ -96,6 +96,9 @@ class SourceConfig(_Model):
     # How long a range's snapshot may wait for transactions that were open when it began (its slot
     # cannot be created before they end) before the run fails naming them; 0 waits for ever.
     snapshot_wait_limit_seconds: float = Field(default=1800.0, ge=0)
+    # How long a snapshot range retries a lost or refused source or target connection (a restart,
+    # a failover) with backoff before its run fails; 0 fails at the first loss.
+    snapshot_retry_seconds: float = Field(default=120.0, ge=0)
 
     # -- TLS to the source: libpq's own parameters, which the DSN may also carry; a value here wins --
     sslmode: str | None = None

@@ -66,7 +66,8 @@ class PostgresResource(dg.ConfigurableResource):
     def snapshot_settings(self) -> SnapshotSettings:
         return SnapshotSettings(dsn=self.snapshot_source_dsn, spool_directory=self.snapshot_spool_directory,
                                 spool_max_bytes=self.snapshot_spool_max_bytes,
-                                wait_limit_seconds=self.snapshot_wait_limit_seconds)
+                                wait_limit_seconds=self.snapshot_wait_limit_seconds,
+                                retry_seconds=self.config.snapshot_retry_seconds)
 
 
 class NatsResource(dg.ConfigurableResource):

@@ -41,6 +41,7 @@ class SnapshotSettings:
     spool_directory: str | None = None
     spool_max_bytes: int = MAX_AHEAD_BYTES
     wait_limit_seconds: float = 0.0
+    retry_seconds: float = 120.0  # how long a range retries a lost connection (RetryPolicy.seconds)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
                 on_progress: Callable[[SnapshotProgress], None] | None = None,
                 on_info: Callable[[str], None] = log.info, on_warning: Callable[[str], None] = log.warning,
                 on_blocked: Callable[[WaitReport], None] | None = None,
-                retry: RetryPolicy = RetryPolicy(), parallel: int = 1,
+                retry: RetryPolicy | None = None, parallel: int = 1,
                 open_destination: Callable[[], Target] | None = None) -> LoadSummary:
     """Loads `ranges` of `table` into `destination` (its resync shadow when `shadow`), `parallel`
     ranges at a time: each further worker writes through a target of its own from
@@ -131,6 +132,8 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
     those of the range before: it makes the target table follow them (see `ensure_target_table`).
     A failed range stops the workers from starting more; the ranges already loaded stay loaded.
     """
+    retry = retry or RetryPolicy(attempts=RETRY_ATTEMPTS if settings.retry_seconds > 0 else 1,
+                                 seconds=settings.retry_seconds)
     summary = LoadSummary()
     ensured: list[TableSchema | None] = [None]
     ensuring = threading.Lock()  # one worker at a time compares the columns and changes the target

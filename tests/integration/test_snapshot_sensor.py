@@ -58,7 +58,7 @@ class Harness:
         self.cursor = None
         # Runs that fail as they would while the source is down: same assets, a source that refuses.
         broken = config.model_copy(update={"source": config.source.model_copy(
-            update={"dsn": "postgresql://siphon@127.0.0.1:1/none?connect_timeout=2"})})
+            update={"dsn": "postgresql://siphon@127.0.0.1:1/none?connect_timeout=2", "snapshot_retry_seconds": 0})})
         self.broken_defs = build_definitions(broken)
 
     def tick(self):
