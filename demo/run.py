@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +57,15 @@ def write_config(path: Path, env: dict[str, str], with_snowflake: bool) -> None:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
+def write_shell_env(directory: Path, stack_dir: Path, config_path: Path, dagster_home: Path) -> Path:
+    """A file to source in a shell: the stack's addresses and the variables `siphon-dagster` needs."""
+    path = directory / "demo.env"
+    path.write_text(f"set -a\n. {shlex.quote(str(stack_dir / 'stack.env'))}\n"
+                    f"SIPHON_CONFIG={shlex.quote(str(config_path))}\n"
+                    f"DAGSTER_HOME={shlex.quote(str(dagster_home))}\nset +a\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="siphon-demo", description=__doc__)
     parser.add_argument("--dir", type=Path, default=ROOT / "var" / "demo", help="where the demo keeps its state")
@@ -78,8 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         config_path = directory / "siphon.yaml"
         write_config(config_path, env, with_snowflake=not args.no_snowflake)
         env["SIPHON_CONFIG"] = str(config_path)
-        env.setdefault("DAGSTER_HOME", str(ROOT / ".dagster_home"))
-        Path(env["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
+        # The Dagster records (runs, materialized partitions, check results) belong to this demo's
+        # stack and are kept beside it: records of another stack would tell the snapshot sensor that
+        # partitions this one never loaded are loaded.
+        dagster_home = directory / "dagster_home"
+        dagster_home.mkdir(exist_ok=True)
+        shutil.copy(ROOT / "dagster.yaml", dagster_home / "dagster.yaml")
+        env["DAGSTER_HOME"] = str(dagster_home)
+        shell_env = write_shell_env(directory, stack_dir, config_path, dagster_home)
         bin_dir = Path(sys.executable).parent
 
         producer = start_process("siphon-producer", [str(bin_dir / "siphon-producer"), "run", "--config",
@@ -110,9 +127,11 @@ Siphon demo is running.
   configuration:     {config_path}
   producer log:      {directory / 'producer.log'}
   stack services:    source {stack_dir / 'stack.env'} for SIPHON_PG_DSN, SIPHON_CLICKHOUSE_URL, ...
-  snapshot a table:  SIPHON_CONFIG={config_path} .venv/bin/siphon-dagster snapshot --table public.notes
-  run the checks:    SIPHON_CONFIG={config_path} .venv/bin/siphon-dagster check
-  rebuild a table:   SIPHON_CONFIG={config_path} .venv/bin/siphon-dagster resync --table public.notes
+  its commands:      first `. {shell_env}` (the stack's addresses, SIPHON_CONFIG, DAGSTER_HOME), then
+  snapshot a table:  .venv/bin/siphon-dagster snapshot --table public.notes
+  run the checks:    .venv/bin/siphon-dagster check
+  repair a table:    .venv/bin/siphon-dagster repair --table public.notes
+  rebuild a table:   .venv/bin/siphon-dagster resync --table public.notes
 A workload commits about {args.rate:.0f} transactions per second. The snapshot sensor is loading every
 partition of every table (runs in the UI); the checks run once all are loaded. The streaming sensor keeps one
 streaming run per target alive, serving every table. Press Ctrl-C to stop everything.

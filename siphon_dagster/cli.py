@@ -15,6 +15,7 @@ import sys
 
 import dagster as dg
 import psycopg
+from dagster._core.errors import DagsterHomeNotSetError
 
 from siphon_core import naming
 from siphon_core.config import ConfigError, SiphonConfig, load_config, load_config_from_environment
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     except SERVICE_ERRORS as error:
         print(f"siphon-dagster: {one_line(error)}", file=sys.stderr)
         return 1
+    except DagsterHomeNotSetError:
+        print("siphon-dagster: DAGSTER_HOME is not set; point it at the Dagster instance's directory (the "
+              "one `dagster dev` uses), where runs and check results are recorded", file=sys.stderr)
+        return 2
 # --- end of the failure handling -------------------------------------------------------------------
 
 
