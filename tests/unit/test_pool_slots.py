@@ -14,11 +14,18 @@ def _instance(limit: int | None):
     return dg.instance_for_test(overrides=overrides)
 
 
+def _holding(instance, *runs: str):
+    """The pool's storage, its slots initialized, with one slot claimed by each of `runs`' steps."""
+    storage = instance.event_log_storage
+    storage.initialize_concurrency_limit_to_default(POOL)
+    for run in runs:
+        assert storage.claim_concurrency_slot(POOL, run, "snapshot").is_claimed
+    return storage
+
+
 def test_a_run_takes_the_free_slots_and_gives_them_back():
     with _instance(3) as instance:
-        storage = instance.event_log_storage
-        storage.initialize_concurrency_limit_to_default(POOL)
-        assert storage.claim_concurrency_slot(POOL, "run-a", "snapshot").is_claimed  # the step's own slot
+        storage = _holding(instance, "run-a")  # the step's own slot
         with extra_slots(instance, POOL, "run-a", "snapshot", wanted=5) as parallel:
             assert parallel == 3
             assert storage.get_concurrency_info(POOL).active_slot_count == 3
@@ -29,20 +36,14 @@ def test_a_run_takes_the_free_slots_and_gives_them_back():
 
 def test_slots_another_run_holds_are_left_to_it():
     with _instance(3) as instance:
-        storage = instance.event_log_storage
-        storage.initialize_concurrency_limit_to_default(POOL)
-        assert storage.claim_concurrency_slot(POOL, "run-b", "snapshot").is_claimed
-        assert storage.claim_concurrency_slot(POOL, "run-a", "snapshot").is_claimed
+        _holding(instance, "run-b", "run-a")
         with extra_slots(instance, POOL, "run-a", "snapshot", wanted=5) as parallel:
             assert parallel == 2
 
 
 def test_a_step_waiting_for_a_slot_goes_first():
     with _instance(2) as instance:
-        storage = instance.event_log_storage
-        storage.initialize_concurrency_limit_to_default(POOL)
-        assert storage.claim_concurrency_slot(POOL, "run-a", "snapshot").is_claimed
-        assert storage.claim_concurrency_slot(POOL, "run-b", "snapshot").is_claimed
+        storage = _holding(instance, "run-a", "run-b")
         assert not storage.claim_concurrency_slot(POOL, "run-c", "snapshot").is_claimed  # waits
         storage.free_concurrency_slot_for_step("run-b", "snapshot")
         with extra_slots(instance, POOL, "run-a", "snapshot", wanted=3) as parallel:
