@@ -50,6 +50,11 @@ class StreamingMetrics:
         self.batch_seconds = Histogram("siphon_stream_batch_seconds",
                                        "From a batch's first message pulled to its acknowledgement",
                                        _TABLE, buckets=_BATCH_BUCKETS, registry=r)
+        # Per target, not per table: where the batches' time goes (pull, schema, decode, spark, merge,
+        # toast, apply, ack), to tell a slow target from a slow decode without a series per table.
+        self.phase_seconds = Counter("siphon_stream_batch_phase_seconds",
+                                     "Seconds the target's batches spent in each phase of their apply",
+                                     ["target", "phase"], registry=r)
         self.check_passed = Gauge("siphon_check_passed",
                                   "1 when the asset check's last evaluation passed, 0 when it failed",
                                   ["asset", "check", "severity"], registry=r)
@@ -76,6 +81,8 @@ class StreamingMetrics:
         # Created at zero with the table's first batch, so `increase()` sees the first dead letter.
         self.dead_lettered.labels(*labels).inc(len(report.dead_lettered))
         self.batch_seconds.labels(*labels).observe(max(0.0, report.latency_seconds))
+        for phase, seconds in report.seconds.items():
+            self.phase_seconds.labels(target, phase).inc(max(0.0, seconds))
 
     def record_check(self, asset: str, check: str, passed: bool, severity: str) -> None:
         severity = severity.lower()

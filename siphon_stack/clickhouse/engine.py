@@ -53,13 +53,17 @@ class Connection:
         self.raw = raw
         self._keeps_state = keeps_state
         self._own_database = self._current_database = "default"
-        self._saved: dict[str, str] = {}  # the session's values of settings a request overrides
-        self._applied: dict[str, str] = {}  # the request values currently in force
+        # The session's own values of settings a request overrode, read once: a batch writer sends
+        # the same few settings with every request, and reading them each time cost more than the
+        # request. Forgotten when a SET statement may have changed them.
+        self._session_values: dict[str, str] = {}
+        self._overridden: dict[str, str] = {}  # the request values currently in force
 
     def prepare(self, database: str | None, settings: dict[str, str], statement: str) -> None:
         if statement == "SET":
             # What SET changes belongs to the session, so it must not be undone as a request override.
-            self._restore(list(self._saved))
+            self._restore(list(self._overridden))
+            self._session_values.clear()
         else:
             self._override(settings)
         target = database or self._own_database
@@ -73,13 +77,13 @@ class Connection:
             self._own_database = self._current_database = database
 
     def _override(self, settings: dict[str, str]) -> None:
-        self._restore([name for name in self._saved if name not in settings])
+        self._restore([name for name in self._overridden if name not in settings])
         if self._keeps_state:
-            self._remember([name for name in settings if name not in self._saved])
-        changes = {name: value for name, value in settings.items() if self._applied.get(name) != value}
+            self._remember([name for name in settings if name not in self._session_values])
+        changes = {name: value for name, value in settings.items() if self._overridden.get(name) != value}
         if changes:
             self.execute("SET " + ", ".join(f"{name} = {quote(value)}" for name, value in changes.items()))
-            self._applied.update(changes)
+            self._overridden.update(changes)
 
     def _remember(self, names: list[str]) -> None:
         if not names:
@@ -88,12 +92,13 @@ class Connection:
         rows = self.query(f"SELECT name, value FROM system.settings WHERE name IN ({listed})", "JSONEachRow")
         for line in rows.bytes().splitlines():
             row = json.loads(line)
-            self._saved[row["name"]] = row["value"]
+            self._session_values[row["name"]] = row["value"]
 
     def _restore(self, names: list[str]) -> None:
-        values = {name: self._saved.pop(name) for name in names}
+        """Puts the session's own values back for settings a request no longer overrides."""
         for name in names:
-            self._applied.pop(name, None)
+            self._overridden.pop(name, None)
+        values = {name: self._session_values[name] for name in names if name in self._session_values}
         if values:
             self.execute("SET " + ", ".join(f"{name} = {quote(value)}" for name, value in values.items()))
 

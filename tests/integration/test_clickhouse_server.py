@@ -179,6 +179,10 @@ def test_a_session_keeps_temporary_tables_use_and_set(embedded_clickhouse: Embed
     client.command("INSERT INTO scratch VALUES (1), (2), (3)")
     assert client.command("SELECT sum(x) FROM scratch") == 6
 
+    default = client.command("SELECT getSetting('max_block_size')")
+    assert client.command("SELECT getSetting('max_block_size')", settings={"max_block_size": 5}) == 5
+    assert client.command("SELECT getSetting('max_block_size')") == default
+    # The session's value a request override returns to is the one SET gave it, not the one before.
     client.command("SET max_block_size = 777")
     assert client.command("SELECT getSetting('max_block_size')") == 777
     assert client.command("SELECT getSetting('max_block_size')", settings={"max_block_size": 5}) == 5
