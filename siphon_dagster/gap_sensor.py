@@ -116,6 +116,8 @@ def build_gap_sensor(specs: list[TableSpec], group: str,
             context.log.warning(f"could not read gap records from the queue: {error!r}")
             return dg.SkipReason(f"queue unreachable: {error!r}")
         if not records:
+            # Kept, so that the next tick reads from here instead of scanning every asset's observations.
+            context.update_cursor(str(after))
             return dg.SkipReason(f"no gap recorded after stream sequence {after}")
         resumed: list[tuple[int, SlotGap]] = []
         lost: dict[int, SlotGap] = {}

@@ -50,6 +50,12 @@ TABLE_CHECK_SECONDS = 120.0
 # A tick stops looking at tables after this long (the daemon gives a sensor 60 s), and the next
 # tick begins where it stopped: each table costs a few queries of the instance's storage.
 TICK_BUDGET_SECONDS = 40.0
+# A table with nothing for the sensor to do (no load, no failed or running partition, every
+# partition loaded or loads off) is looked at again after this long rather than every tick: each
+# look costs several queries of the instance's storage, and hundreds of settled tables made the
+# sensor a steady share of a small machine's CPU. Its state on the asset is refreshed as often.
+SETTLED_LOOK_SECONDS = 120.0
+SETTLED_KEY = "settled_at"  # in a table's cursor entry: when it was last found settled
 RESUME_KEY = "_resume"  # in the cursor: the table the next tick begins with (no table id starts with _)
 
 # Metadata of the observation `siphon-dagster target drop` records on the target asset.
@@ -120,10 +126,14 @@ class TargetProbe:
 def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: SnapshotsConfig,
                           check_keys: Mapping[dg.AssetKey, Sequence[dg.AssetCheckKey]] | None = None,
                           table_check_seconds: float = TABLE_CHECK_SECONDS,
-                          tick_budget_seconds: float = TICK_BUDGET_SECONDS) -> dg.SensorDefinition:
+                          tick_budget_seconds: float = TICK_BUDGET_SECONDS,
+                          settled_look_seconds: float | None = None) -> dg.SensorDefinition:
     """`{group}_snapshots`. `check_keys` names each target asset's checks, whose latest results the
     table's state shows. A tick looks at tables for `tick_budget_seconds` at most, and the next
-    one goes on from the first table it left."""
+    one goes on from the first table it left. A settled table is looked at every
+    `settled_look_seconds` (default: SETTLED_LOOK_SECONDS, or 0 when `table_check_seconds` is 0)."""
+    if settled_look_seconds is None:
+        settled_look_seconds = SETTLED_LOOK_SECONDS if table_check_seconds else 0.0
     targets = sorted({target for spec in specs for target in spec.targets})
     checks = dict(check_keys or {})
 
@@ -143,9 +153,17 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         # configuration); a direct call also passes them by name, hence `_resources`.
         started = time.monotonic()
         state: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
+        now = time.time()
+
+        def settled(name: str) -> bool:
+            at = state.get(name, {}).get(SETTLED_KEY)
+            return at is not None and now - at < settled_look_seconds
+
+        looked_at = [spec for spec in specs if not all(settled(table_id(spec, t)) for t in spec.targets)]
         existing = {spec.partitions_def_name: context.instance.get_dynamic_partitions(spec.partitions_def_name)
-                    for spec in specs}
-        added_requests, added = _missing_partitions(context, [s for s in specs if not existing[s.partitions_def_name]])
+                    for spec in looked_at}
+        added_requests, added = _missing_partitions(context, [s for s in looked_at
+                                                               if not existing[s.partitions_def_name]])
         probes = {target: TargetProbe(target, getattr(context.resources, f"{target}_target"), context.log)
                   for target in targets}
         run_requests: list[dg.RunRequest] = []
@@ -159,6 +177,9 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
             for index in range(first, first + len(tables)):
                 spec, target = tables[index % len(tables)]
                 name = names[index % len(tables)]
+                if settled(name):
+                    cursor[name] = state[name]
+                    continue
                 if index > first and time.monotonic() - started > tick_budget_seconds:
                     context.log.info(f"tick budget of {tick_budget_seconds:.0f}s spent: {name} and the tables after "
                                      "it are looked at next tick")
@@ -251,6 +272,10 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
         if table_state.exhausted and not exhausted(entry, settings.max_attempts):
             context.log.error(f"{name}: {table_state.text}")
     plan.entry["state"] = digest
+    plan.entry.pop(SETTLED_KEY, None)
+    if (not requests and "load" not in plan.entry and "failed" not in plan.entry and not partitions.in_progress
+            and keys and not dropped and (not settings.auto_load or partitions.materialized == frozenset(keys))):
+        plan.entry[SETTLED_KEY] = now
     return requests, event, plan.entry
 
 

@@ -2,6 +2,7 @@
 the embedded ClickHouse; the runs it asks for are executed for real."""
 
 import json
+import time
 
 import dagster as dg
 import psycopg
@@ -46,7 +47,7 @@ CHECK = "row_count_matches"
 class Harness:
     """One sensor on one instance: ticks carry the cursor on, as the daemon does."""
 
-    def __init__(self, config, instance, source_dsn=None):
+    def __init__(self, config, instance, source_dsn=None, **sensor_options):
         self.config = config
         self.instance = instance
         self.defs = build_definitions(config)
@@ -54,7 +55,8 @@ class Harness:
         self.key = self.spec.target_key("clickhouse")
         self.check_key = dg.AssetCheckKey(self.key, CHECK)
         self.sensor = build_snapshot_sensor(table_specs(config), "test", config.snapshots,
-                                            {self.key: [self.check_key]}, table_check_seconds=0)
+                                            {self.key: [self.check_key]},
+                                            **{"table_check_seconds": 0, **sensor_options})
         self.cursor = None
         # Runs that fail as they would while the source is down: same assets, a source that refuses.
         broken = config.model_copy(update={"source": config.source.model_copy(
@@ -265,6 +267,24 @@ def test_a_table_dropped_by_the_operator_is_loaded_again_even_if_the_stream_made
         assert all(harness.run(request).success for request in again.run_requests)
         assert state(harness.tick()) == "loaded"
         assert harness.tick().run_requests == []
+
+
+def test_a_settled_table_is_looked_at_again_only_after_its_interval(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance, settled_look_seconds=2.0)
+        first = harness.tick()
+        assert "settled_at" not in harness.entry()  # a load is asked for: looked at every tick
+        assert all(harness.run(request).success for request in first.run_requests)
+        assert state(harness.tick()) == "loaded"
+        settled_at = harness.entry()["settled_at"]
+        record_drop(instance, harness.key, "the table")
+        quiet = harness.tick()  # within the interval: not looked at, the drop waits
+        assert quiet.run_requests == [] and quiet.asset_events == []
+        assert harness.entry()["settled_at"] == settled_at
+        time.sleep(2.1)
+        again = harness.tick()
+        assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
+        assert "settled_at" not in harness.entry()
 
 
 def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn):
