@@ -27,7 +27,7 @@ class FakesnowServer:
         databases.mkdir(parents=True, exist_ok=True)
         process = start_process(
             "fakesnow",
-            [sys.executable, "-m", "fakesnow", "-s", "--host", "127.0.0.1", "-p", str(self.port), "-d", str(databases)],
+            [sys.executable, "-m", "siphon_stack.fakesnow_server", "-s", "--host", "127.0.0.1", "-p", str(self.port), "-d", str(databases)],
             self.log_path,
         )
         wait_until("fakesnow", lambda: port_accepts(self.port), timeout, pid=process.pid, log_path=self.log_path)

@@ -1,0 +1,28 @@
+"""The fakesnow launcher keeps a bounded number of query results."""
+
+from __future__ import annotations
+
+from fakesnow.instance import FakeSnow
+
+from siphon_stack.fakesnow_server import RESULTS_KEPT, RecentResults, bound_results
+
+
+def test_recent_results_keep_the_latest_entries_in_order_of_writing() -> None:
+    results = RecentResults(limit=3)
+    for key in "abcd":
+        results[key] = key.upper()
+    assert list(results) == ["b", "c", "d"]
+    results["b"] = "again"  # written again: now the most recent
+    results["e"] = "E"
+    assert list(results) == ["d", "b", "e"] and results["b"] == "again"
+    assert results.get("a") is None
+
+
+def test_instances_made_after_bounding_share_a_bounded_cache() -> None:
+    undo = bound_results()
+    try:
+        instance = FakeSnow()
+        assert isinstance(instance.results_cache, RecentResults) and instance.results_cache.limit == RESULTS_KEPT
+    finally:
+        undo()
+    assert not isinstance(FakeSnow().results_cache, RecentResults)
