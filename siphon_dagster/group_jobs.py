@@ -95,6 +95,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             if not config.stop_when_drained:  # draining needs exact pending counts and short pulls
                 consumer.idle_pull_seconds = streaming.idle_pull_seconds
                 consumer.exact_pending = False
+            consumer.pipelined = len(specs) == 1
             return consumer
 
         def tick() -> None:

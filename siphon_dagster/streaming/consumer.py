@@ -83,6 +83,11 @@ class StreamConsumer:
         # gate that lets a few consumers at a time set themselves up (each costs JetStream requests).
         self.batch_wait: Callable[[], float] | None = None
         self.setup_gate: asyncio.Semaphore | None = None
+        # False: one batch in flight, pulled only once the one before is acked. Pulling and
+        # decoding ahead speeds a table that has the process to itself, but a run of hundreds of
+        # tables has more batches than threads: each table's batches ahead only wait in the queue
+        # for a thread, and every batch in it waits longer.
+        self.pipelined = True
         self._last_schema: object = None
         self._stopping = threading.Event()
 
@@ -137,7 +142,7 @@ class StreamConsumer:
                     pulled_at = time.perf_counter()
                     messages = await (ahead if ahead is not None else self._pull(subscription))
                     ahead = None
-                    if messages and _below(max_batches, summary.batches + 1):
+                    if messages and self.pipelined and _below(max_batches, summary.batches + 1):
                         ahead = asyncio.create_task(self._pull(subscription))
                     batch = await self._assemble(messages, pulled_at) if messages else None
                 report = None

@@ -341,6 +341,23 @@ def test_batches_prepared_while_the_one_before_is_written_converge(request: pyte
     target.close()
 
 
+def test_one_batch_in_flight_converges_and_prepares_nothing_ahead(request: pytest.FixtureRequest, nats_url: str,
+                                                                 spark: SparkSession, unique_name: str) -> None:
+    # As a run of many tables applies each of them: the next batch is pulled once this one is acked.
+    target = make_target(request, "clickhouse", unique_name)
+    publish(nats_url, unique_name, PIPELINED)
+    reports: list[BatchReport] = []
+    run = consumer(nats_url, unique_name, target, spark)
+    run.pipelined = False
+    summary = run.run(stop_when_drained=True, on_batch=reports.append)
+    assert summary.events == 16 and summary.applied_lsn == 0x10B
+    assert target.current_rows_as_text(notes_schema(WITH_TAG)) == [
+        ("1", BIG, "11", "t1"), ("2", BIG, "20", None), ("3", BIG, "30", None), ("4", BIG, "40", "t4"),
+        ("7", "seven", "70", "t7"), ("8", BIG, "8", None)]
+    assert reports and not any(r.prepared_early for r in reports)
+    target.close()
+
+
 class SlowFirstWrite(CrashAfterCommit):
     """Delegates to a real target; its first write takes `seconds` longer."""
 
