@@ -304,18 +304,19 @@ def role_of(pid: int) -> str:
     """Which part of the Dagster side a process is, for the CPU breakdown."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().decode(errors="replace")
+            argv = cmdline.read().decode(errors="replace").split("\0")
     except OSError:
         return "gone"
-    if "java" in argv.split("\0", 1)[0]:
+    if "java" in argv[0]:
         return "Spark"
+    command = " ".join(argv)
     for marker, role in (("dagster._daemon", "Dagster daemon"), ("dagster_webserver", "Dagster webserver"),
-                         ("code-server", "code server"), ("api grpc", "code server"),
+                         ("code-server", "code server"), ("api grpc", "code server (sensors)"),
                          ("spawn_main", "streaming run"), ("execute_run", "streaming run"),
                          ("pyspark", "Spark")):
-        if marker in argv:
+        if marker in command:
             return role
-    return "other Dagster"
+    return "other Dagster"  # `dagster dev` itself, Dagster's log capture
 
 
 class CpuSplit:
