@@ -178,8 +178,7 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
                 spec, target = tables[index % len(tables)]
                 name = names[index % len(tables)]
                 if settled(name):
-                    cursor[name] = state[name]
-                    continue
+                    continue  # its cursor entry is carried over as it is
                 if index > first and time.monotonic() - started > tick_budget_seconds:
                     context.log.info(f"tick budget of {tick_budget_seconds:.0f}s spent: {name} and the tables after "
                                      "it are looked at next tick")
