@@ -133,7 +133,7 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         "application_identifier": APPLICATION,
         "source": {"dsn": dsn},
         "queue": {"url": nats_url},
-        "producer": {"flush_interval_seconds": 0.2, "metrics_port": metrics_port, "status_interval_seconds": 0.5},
+        "producer": {"metrics_port": metrics_port, "status_interval_seconds": 0.5},
         "tables": [{"name": f"public.{name}"} for name in names],
         "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE}},
         "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60,

@@ -3,8 +3,9 @@
 Memory stays bounded whatever the transaction size: a buffer is cut as soon as it reaches its
 count or byte limit, so a large transaction simply spans several packages. A buffer is also cut
 when it is older than the age limit, and, for low latency, as soon as the source has nothing more
-to send right now and the table has no package waiting for its ack (`flush_idle`): under load,
-events gather while the previous package is acknowledged, so packages stay large.
+to send right now, the buffer is at least `idle_min_age_seconds` old and the table has no package
+waiting for its ack (`flush_idle`): under load, events gather while the previous package is
+acknowledged, so packages stay large.
 
 An event that alone exceeds the queue's message limit is serialized and sliced (see `Chunk` in
 the proto). Events travel as bytes (`producer_service.encoding`), so cutting a package is one
@@ -34,6 +35,8 @@ class PackageLimits:
     max_bytes: int
     max_age_seconds: float
     max_message_bytes: int  # the queue's hard limit for one message
+    # How old a buffer must be before an idle moment of the source cuts it (see `flush_idle`).
+    idle_min_age_seconds: float = 0.0
 
     @property
     def effective_max_bytes(self) -> int:
@@ -158,9 +161,13 @@ class Packager:
                 self.cut(buffer)
 
     def flush_idle(self, table_is_idle: Callable[[int], bool]) -> None:
-        """The source has nothing more right now: cuts the buffers of tables with nothing in flight."""
+        """The source has nothing more right now: cuts the buffers of tables with nothing in flight
+        that are at least `idle_min_age_seconds` old. A source that commits in bursts (many small
+        transactions a second) is idle between them: without the minimum age each burst would cut
+        a package per table, and the queue and every consumer pay per package."""
+        opened_by = self._clock() - self._limits.idle_min_age_seconds
         for relation_id, buffer in self._buffers.items():
-            if buffer.events and table_is_idle(relation_id):
+            if buffer.events and buffer.opened_at <= opened_by and table_is_idle(relation_id):
                 self.cut(buffer)
 
     def flush_all(self) -> None:

@@ -71,6 +71,7 @@ class ProducerService:
             max_bytes=config.producer.max_package_bytes,
             max_age_seconds=config.producer.flush_interval_seconds,
             max_message_bytes=config.queue.max_message_bytes,
+            idle_min_age_seconds=config.producer.idle_flush_min_age_seconds,
         )
         self._packager = Packager(config.application_identifier, limits, self._submit,
                                   hold=self._tracker.hold, producer_version=PRODUCER_VERSION)

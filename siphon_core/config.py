@@ -199,6 +199,11 @@ class QueueConfig(_Model):
 
 class ProducerConfig(_Model):
     flush_interval_seconds: float = Field(default=3.0, gt=0)
+    # A table's buffer leaves before flush_interval_seconds when the source has nothing more to
+    # send, once it is this old: a workload of many small commits a second then makes about one
+    # package per table and this interval, not one per commit (each costs the queue and every
+    # consumer a message). The longest an event waits is still flush_interval_seconds.
+    idle_flush_min_age_seconds: float = Field(default=0.5, ge=0)
     max_package_events: int = Field(default=10_000, ge=1)
     max_package_bytes: int = Field(default=800_000, ge=1024)
     metrics_port: int = Field(default=9187, ge=0, le=65535)
@@ -368,6 +373,9 @@ class SparkConfig(_Model):
     idle_stop_seconds: float = Field(default=300.0, ge=0)
 
 
+SINGLE_TABLE_DRIVER_DECODE_MAX_BYTES = 1_000_000
+
+
 class StreamingConfig(_Model):
     # A backlog is cut by bytes (compressed, as pulled): packages hold from a few to thousands of
     # events, so a count alone made batches of very different work. About 8 MB of packages is
@@ -391,7 +399,10 @@ class StreamingConfig(_Model):
     materialization_interval_seconds: float = Field(default=60.0, ge=0)
     # Batches up to this many bytes of packages are decoded and folded in the run's own process by
     # the code the Spark tasks run: a Spark job costs tens of milliseconds however small its batch.
-    driver_decode_max_bytes: int = Field(default=1_000_000, ge=0)
+    # Unset: 1 MB for a run of one table, whose backlog Spark's executors decode in parallel; every
+    # batch (up to batch_max_bytes) for a run of several tables, whose tables already keep the
+    # machine's cores busy, where a JVM and its workers would take memory and CPU from them.
+    driver_decode_max_bytes: int | None = Field(default=None, ge=0)
     # How long a quiet table's pull request waits on its subject before it is renewed.
     idle_pull_seconds: float = Field(default=20.0, gt=0)
     # A group run's budget of batches per second over all its tables: with more busy tables than
@@ -400,6 +411,15 @@ class StreamingConfig(_Model):
     max_batches_per_second: float = Field(default=50.0, gt=0)
     # Batches a group run prepares and writes at once (threads waiting on the target and Spark).
     apply_threads: int = Field(default=16, ge=1, le=256)
+    # How long a streaming run trusts its look-up of whether a table's resync is under way (0: it
+    # looks before every batch); a resync waits this long, and 2 s more, before its first snapshot.
+    shadow_lookup_seconds: float = Field(default=10.0, ge=0, le=300)
+
+    def driver_decode_limit(self, tables: int) -> int:
+        """`driver_decode_max_bytes` for a run serving `tables` tables."""
+        if self.driver_decode_max_bytes is not None:
+            return self.driver_decode_max_bytes
+        return SINGLE_TABLE_DRIVER_DECODE_MAX_BYTES if tables <= 1 else 2 * self.batch_max_bytes
 
     @field_validator("groups")
     @classmethod

@@ -83,15 +83,19 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         # /metrics of this run (streaming.metrics_port; 0 serves none): lag, pending, rows per table.
         stream_metrics.serve(streaming.metrics_port, streaming.metrics_host)
         targets: dict[str, Any] = {}
+        opened: list[Any] = []  # the target whose connections the tables' targets share
         source = SharedSourceRowReader(context.resources.source.dsn)
         queue = context.resources.queue.queue(client_name=f"siphon {group.job_name}")
         spark = context.resources.spark
 
         def make_consumer(table: TableConfig) -> StreamConsumer:
             if table.name not in targets:
-                targets[table.name] = getattr(context.resources, resource_key).open_target()
+                if not opened:
+                    opened.append(getattr(context.resources, resource_key).open_target())
+                    opened[0].shadow_lookup_seconds = streaming.shadow_lookup_seconds
+                targets[table.name] = opened[0].sibling()
             consumer = StreamConsumer(queue=queue, target=targets[table.name], table=table, spark=spark.session,
-                                      streaming=streaming, source=source)
+                                      streaming=streaming, source=source, run_tables=len(specs))
             if not config.stop_when_drained:  # draining needs exact pending counts and short pulls
                 consumer.idle_pull_seconds = streaming.idle_pull_seconds
                 consumer.exact_pending = False
@@ -121,7 +125,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         finally:
             for aggregate in limiter.flush(time.monotonic()):
                 materialize(aggregate)
-            for target in targets.values():
+            for target in [*targets.values(), *opened]:
                 target.close()
             source.close()
         batches = sum(s.batches for s in summary.tables.values())

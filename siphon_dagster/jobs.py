@@ -80,6 +80,7 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
         # Lets the streaming sensor tell this run from one whose worker died (run_liveness).
         context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity()})
         destination = getattr(context.resources, resource_key).open_target()
+        destination.shadow_lookup_seconds = spec.streaming.shadow_lookup_seconds
         consumer = StreamConsumer(
             queue=context.resources.queue.queue(client_name=f"siphon {job_name}"),
             target=destination,

@@ -7,10 +7,12 @@ kept wrongly (deleted at the source, changed by hand) do not survive.
 
 Why no stream change is lost: every write of the stream (`apply_rows`, `tombstone_all`) and of a
 live snapshot looks up whether the shadow exists when it is applied, and then writes to the shadow
-and the live table. The shadow is created before any range's slot is: a change with a version
-above a range's consistent point committed after that slot was created, so after the shadow
-existed, and the stream can only apply a change once it is committed: it finds the shadow and
-writes it there too. Changes at or below the consistent point are in the range's snapshot. Rows in
+and the live table; a stream write may use a look-up up to `streaming.shadow_lookup_seconds` old
+(one per batch cost the target a statement). The shadow is created, and that long and 2 s more
+have passed, before any range's slot is: a change with a version above a range's consistent point
+committed after that slot was created, and the stream can only apply a change once it is
+committed, so its look-up was made after the shadow existed: it finds the shadow and writes the
+change there too. Changes at or below the consistent point are in the range's snapshot. Rows in
 blocks past the size read after the shadow was created were written after it existed, so the
 stream brings them. Around the swap, a write goes to the shadow first and the live table second:
 if the swap comes between the two, the first reached the table that becomes live; if it comes
@@ -46,6 +48,7 @@ from siphon_dagster.targets.base import TableSchema, Target
 
 RESYNC_TAG = "siphon/resync"
 REPLAY_WAIT_SECONDS = 600.0
+SHADOW_SETTLE_MARGIN_SECONDS = 2.0
 
 
 class ResyncRunConfig(dg.Config):
@@ -83,6 +86,7 @@ def rebuild_target(settings: SnapshotSettings, primary_dsn: str, spec: TableSpec
         ensure(columns, existing)  # the live table exists and has the source's columns, so the shadow does too
         destination.create_shadow(columns)
         try:
+            _wait_for_streaming_runs(spec, on_info)
             _wait_for_replay(primary_dsn, settings.dsn, on_info)
             # The size is read after the shadow exists: rows in later blocks were written after it.
             size = source.table_size(catalog, spec.table)
@@ -110,6 +114,17 @@ def _abandon(destination: Target, spec: TableSpec, target: str, columns: TableSc
     except Exception as error:
         on_warning(f"dropping the resync table of {spec.qualified_name} at {target} failed: {error}; "
                    "the next resync replaces it")
+
+
+def _wait_for_streaming_runs(spec: TableSpec, on_info: Callable[[str], None]) -> None:
+    """A streaming run trusts its look-up of the shadow for `streaming.shadow_lookup_seconds`:
+    once that has passed since the shadow was created, every write of a change committed from
+    now on finds it."""
+    seconds = spec.streaming.shadow_lookup_seconds
+    if seconds > 0:
+        on_info(f"waiting {seconds + SHADOW_SETTLE_MARGIN_SECONDS:.0f}s for streaming runs to see the resync table "
+                f"of {spec.qualified_name} (streaming.shadow_lookup_seconds)")
+        time.sleep(seconds + SHADOW_SETTLE_MARGIN_SECONDS)
 
 
 def _wait_for_replay(primary_dsn: str, snapshot_dsn: str, on_info: Callable[[str], None]) -> None:

@@ -106,6 +106,12 @@ class BatchApplier:
             prepared.early = True
             return prepared
 
+    def ensure_schema(self, packages: Sequence[ReceivedPackage]) -> None:
+        """Resolves the batch's column list at the target ahead of `prepare` (statements at the
+        target: a caller keeps them off the threads that decode)."""
+        with self._preparing:
+            self.schemas.resolve(packages)
+
     def prepare(self, packages: Sequence[ReceivedPackage]) -> PreparedBatch:
         with self._preparing:  # one batch at a time: the schema is resolved in stream order
             return self._prepare(packages)

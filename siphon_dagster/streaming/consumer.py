@@ -21,7 +21,9 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -41,6 +43,7 @@ from siphon_dagster.streaming.strategy import ErrorStrategy, RetryPolicy, Stream
 from siphon_dagster.targets.base import Target
 
 _log = get_logger("streaming.consumer")
+_Result = TypeVar("_Result")
 _FETCH_STEP = 64  # messages per pull request: bounds how far a batch overshoots its byte limit
 _PROGRESS_SHARE_OF_ACK_WAIT = 1 / 3  # in-progress marks are sent this often, as a share of the ack wait
 _ACK_CONFIRM_SECONDS = 30.0  # how long the last ack of a batch waits for the server's confirmation
@@ -52,7 +55,7 @@ class StreamConsumer:
     def __init__(self, queue: JetStreamQueue, target: Target, table: TableConfig,
                  spark: SparkSession | Callable[[], SparkSession],
                  streaming: StreamingConfig | None = None, source: SourceRowReader | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, run_tables: int = 1) -> None:
         self.queue = queue
         self.target = target
         self.table = table
@@ -61,7 +64,7 @@ class StreamConsumer:
         self.subject = naming.table_subject(application, table.schema_name, table.table_name)
         self.durable = naming.consumer_name(target.name, table.schema_name, table.table_name)
         self.applier = BatchApplier(spark, target, table.schema_name, table.table_name, source,
-                                    driver_decode_max_bytes=self.streaming.driver_decode_max_bytes)
+                                    driver_decode_max_bytes=self.streaming.driver_decode_limit(run_tables))
         self.strategy = ErrorStrategy(
             table.on_error, queue, self.applier, retry or RetryPolicy(),
             dead_letter_subject=naming.dead_letter_subject(application, table.schema_name, table.table_name),
@@ -83,6 +86,10 @@ class StreamConsumer:
         # gate that lets a few consumers at a time set themselves up (each costs JetStream requests).
         self.batch_wait: Callable[[], float] | None = None
         self.setup_gate: asyncio.Semaphore | None = None
+        # A group run decodes on a few threads of its own (CPU work under one interpreter lock: more
+        # threads decoding at once only take turns, and starve the event loop of the lock), apart
+        # from the threads that wait on the target and Spark.
+        self.cpu_executor: Executor | None = None
         # False: one batch in flight, pulled only once the one before is acked. Pulling and
         # decoding ahead speeds a table that has the process to itself, but a run of hundreds of
         # tables has more batches than threads: each table's batches ahead only wait in the queue
@@ -263,18 +270,14 @@ class StreamConsumer:
         """Whole packages out of the messages (slices wait for their last slice), and their Spark
         work started at once; `after` is a batch still in flight before this one."""
         by_sequence = {**self._held, **{m.metadata.sequence.stream: m for m in messages}}
-        packages: list[ReceivedPackage] = []
+        numbered = [(m.metadata.sequence.stream, m.data) for m in messages]
+        # Decompressing and reading packages is CPU work: on the event loop it would hold up every
+        # other table's pulls and acks.
+        packages, undecodable = await self._on_cpu(self._accept, numbered)
         dead_lettered: list[int] = []
-        for message in messages:
-            sequence = message.metadata.sequence.stream
-            try:
-                package = self._assembler.accept(sequence, message.data)
-            except PackageError as error:
-                await self.strategy.undecodable(message, sequence, error)
-                dead_lettered.append(sequence)
-                continue
-            if package is not None:
-                packages.append(package)
+        for sequence, error in undecodable:
+            await self.strategy.undecodable(by_sequence[sequence], sequence, error)
+            dead_lettered.append(sequence)
         held = set(self._assembler.held_sequences)
         self._held = {s: by_sequence[s] for s in held if s in by_sequence}
         for message in self._held.values():
@@ -284,15 +287,42 @@ class StreamConsumer:
         return _Batch(messages, packages, by_sequence, dead_lettered, done, pulled_at,
                       round(time.perf_counter() - pulled_at, 4), prepared)
 
+    def _accept(self, numbered: Sequence[tuple[int, bytes]]) -> tuple[list[ReceivedPackage],
+                                                                       list[tuple[int, PackageError]]]:
+        """The whole packages among (stream sequence, data), in order, and the messages that are no
+        package; runs on a worker thread."""
+        packages: list[ReceivedPackage] = []
+        undecodable: list[tuple[int, PackageError]] = []
+        for sequence, data in numbered:
+            try:
+                package = self._assembler.accept(sequence, data)
+            except PackageError as error:
+                undecodable.append((sequence, error))
+                continue
+            if package is not None:
+                packages.append(package)
+        return packages, undecodable
+
     async def _prepare(self, packages: list[ReceivedPackage], after: _Batch | None) -> PreparedBatch | None:
         """Decode and fold in Spark. Behind a batch in flight, this waits for that batch's own
         preparation (schemas resolve in stream order) and is skipped when the schema changes."""
+        # Spark's work runs in other processes: only a batch decoded here goes to the CPU threads.
+        run = self._on_cpu if self.applier.decodes_in_driver(packages) else asyncio.to_thread
         if after is None:
-            return await asyncio.to_thread(self.applier.prepare, packages)
+            if run is not asyncio.to_thread and not self.applier.schemas.is_current(packages):
+                # A new column list waits on the target, which is no work for the CPU threads.
+                await asyncio.to_thread(self.applier.ensure_schema, packages)
+            return await run(self.applier.prepare, packages)
         if after.early is not None:
             with contextlib.suppress(Exception):
                 await after.early
-        return await asyncio.to_thread(self.applier.prepare_early, packages)
+        return await run(self.applier.prepare_early, packages)
+
+    async def _on_cpu(self, function: Callable[..., _Result], *args: object) -> _Result:
+        """`function(*args)` on the run's CPU threads (`cpu_executor`), else on a worker thread."""
+        if self.cpu_executor is None:
+            return await asyncio.to_thread(function, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.cpu_executor, function, *args)
 
     async def _finish(self, batch: _Batch) -> BatchReport | None:
         """Applies the batch, acks it, reports it."""

@@ -10,6 +10,7 @@ started again with exponential backoff, while the other tables go on.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,8 @@ class GroupRunner:
                  on_batch: Callable[[BatchReport], None], on_failure: Callable[[TableFailure], None],
                  retry_initial_seconds: float = 15.0, retry_max_seconds: float = 600.0,
                  tick: Callable[[], None] | None = None, tick_seconds: float = 5.0,
-                 pace: BatchPace | None = None, apply_threads: int = 16, setup_concurrency: int = 8) -> None:
+                 pace: BatchPace | None = None, apply_threads: int = 16, setup_concurrency: int = 8,
+                 decode_concurrency: int | None = None) -> None:
         self.queue = queue
         self.tables = list(tables)
         self.make_consumer = make_consumer
@@ -70,6 +72,10 @@ class GroupRunner:
         self.apply_threads = apply_threads
         self.setup_concurrency = setup_concurrency
         self._setup_gate: asyncio.Semaphore | None = None
+        # Tables decoding at once: decoding holds the interpreter lock, so more than the cores only
+        # take turns, and the event loop (every table's pulls and acks) waits behind them.
+        self.decode_concurrency = decode_concurrency or os.cpu_count() or 2
+        self._cpu_executor: ThreadPoolExecutor | None = None
         # Reports (Dagster events, metrics) are written by one thread of their own, in order: an
         # event log write waits on its storage, and the event loop must never wait with it.
         self._reporter: ThreadPoolExecutor | None = None
@@ -89,6 +95,7 @@ class GroupRunner:
         self._loop = asyncio.get_running_loop()
         self._loop.set_default_executor(ThreadPoolExecutor(self.apply_threads, thread_name_prefix="siphon-apply"))
         self._setup_gate = asyncio.Semaphore(self.setup_concurrency)
+        self._cpu_executor = ThreadPoolExecutor(self.decode_concurrency, thread_name_prefix="siphon-decode")
         self._stopped = asyncio.Event()
         if self._stopping.is_set():
             self._stopped.set()
@@ -107,6 +114,7 @@ class GroupRunner:
             finally:
                 await self.queue.close()
         finally:
+            self._cpu_executor.shutdown(wait=True)
             self._reporter.shutdown(wait=True)  # every report is written before the run returns
         return summary
 
@@ -156,6 +164,7 @@ class GroupRunner:
     async def _stream(self, table: TableConfig, stop_when_drained: bool, totals: RunSummary) -> None:
         consumer = self.make_consumer(table)
         consumer.setup_gate = self._setup_gate
+        consumer.cpu_executor = self._cpu_executor
         if self.pace is not None:
             consumer.batch_wait = self.pace.wait_seconds
         self._consumers[table.name] = consumer

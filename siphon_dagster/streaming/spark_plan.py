@@ -85,14 +85,14 @@ def folded_pieces_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpe
     slice of every package. For small batches, where a Spark job's scheduling (tens of
     milliseconds) would cost more than the decoding."""
     stage = DecodeStage(spec, truncated_at, in_driver=True)
-    return [table for batch in stage(iter(package_rows(packages, None).to_batches())) for table in _results(batch)]
+    return list(stage.tables(iter(package_rows(packages, None).to_batches())))
 
 
 def key_history_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpec, keys: Sequence[bytes],
                           positions: Sequence[int]) -> pa.Table:
     """`key_history` without Spark, for the batches `folded_pieces_in_driver` decoded."""
     stage = DecodeStage(spec, None, keys=frozenset(keys), positions=tuple(positions), in_driver=True)
-    pieces = [table for batch in stage(iter(package_rows(packages, None).to_batches())) for table in _results(batch)]
+    pieces = list(stage.tables(iter(package_rows(packages, None).to_batches())))
     return pa.concat_tables(pieces) if pieces else folded_schema(len(spec.columns), positions).empty_table()
 
 
@@ -150,6 +150,13 @@ class DecodeStage:
         self.directory = directory
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for rows in self.tables(batches):
+            yield self._result(rows)
+        if not self.in_driver:
+            _freeze_worker_heap()
+
+    def tables(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
+        """The folded rows of the packages, a table per flush (what a task hands on as IPC)."""
         decoder = PackageDecoder(self.spec)
         parts: list[pa.RecordBatch] = []
         held = 0
@@ -163,8 +170,6 @@ class DecodeStage:
                     parts, held = [], 0
         if parts:
             yield self._flush(parts)
-        if not self.in_driver:
-            _freeze_worker_heap()
 
     def _payloads(self, batch: pa.RecordBatch) -> Iterator[tuple[int, bytes]]:
         sequences = batch.column(0).to_pylist()
@@ -183,14 +188,14 @@ class DecodeStage:
                                      f"{start}")
                 yield seq, payload
 
-    def _flush(self, parts: list[pa.RecordBatch]) -> pa.RecordBatch:
+    def _flush(self, parts: list[pa.RecordBatch]) -> pa.Table:
         decoded = locate_changes(parts, self.spec)
         if self.keys is not None:
             wanted = pc.is_in(decoded.changes.column("_key"), value_set=pa.array(sorted(self.keys), pa.binary()))
             rows = decoded.take(np.flatnonzero(wanted.to_numpy(zero_copy_only=False)), self.positions)
-            return self._result(with_version(rows))
+            return with_version(rows)
         latest = np.sort(latest_indices(decoded.changes, self.truncated_at))  # rows read in buffer order
-        return self._result(decoded.take(latest))
+        return decoded.take(latest)
 
     def _result(self, rows: pa.Table) -> pa.RecordBatch:
         if self.directory is not None:

@@ -139,6 +139,12 @@ class Target(Protocol):
     """
 
     name: str  # "clickhouse" or "snowflake": used for asset keys and job names only
+    # How long a stream write may trust its look-up of the resync shadow (0: every write looks).
+    shadow_lookup_seconds: float
+
+    def sibling(self) -> Target:
+        """A target of the same configuration for another table of a streaming run (sharing
+        connections where the target can serve many tables through them)."""
 
     def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
         """Creates the versioned table and its current-rows view, or adds new source columns.

@@ -10,8 +10,9 @@ The lifecycle is `sql_target.SqlTarget`'s; this module is ClickHouse's hooks.
 
 from __future__ import annotations
 
+import threading
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -50,18 +51,69 @@ class _SnapshotStages:
     typed: list[tuple[str, str]]  # (target, its stage with the target's structure)
 
 
+class _ClientPerThread:
+    """Stands for a clickhouse-connect client and hands each statement to its thread's own client,
+    opened on the thread's first statement. A client keeps a server session, and a session runs
+    one statement at a time: the targets of a streaming run's hundreds of tables share these few
+    clients (one per thread of the run's pool) instead of opening a client, and a session, each."""
+
+    def __init__(self, open_client: Callable[[], Any]) -> None:
+        self._open_client = open_client
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._clients: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self._open_client()
+            with self._lock:
+                self._clients.append(client)
+        return getattr(client, name)
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+
 class ClickHouseTarget(SqlTarget):
     dialect = sql.dialect
     driver_error = ClickHouseError
 
-    def __init__(self, config: ClickHouseTargetConfig) -> None:
+    def __init__(self, config: ClickHouseTargetConfig, shared: _ClientPerThread | None = None) -> None:
         self.config = config
         self.database = config.database
         self.namespace = (config.database,)
+        self._shared = shared  # the clients of the target this one is a sibling of
+        self._sibling_clients: _ClientPerThread | None = None  # the clients this target's siblings share
+
+    def sibling(self) -> ClickHouseTarget:
+        """A target of the same server for another table of a streaming run: its statements go
+        through clients shared by every sibling, one per thread. Their requests all carry the
+        batch settings, so a server session never switches settings between statements."""
+        if self._sibling_clients is None:
+            self._sibling_clients = _ClientPerThread(lambda: self._open(settings=BATCH_INSERT_SETTINGS))
+        sibling = ClickHouseTarget(self.config, shared=self._sibling_clients)
+        sibling.shadow_lookup_seconds = self.shadow_lookup_seconds
+        return sibling
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._connection = None  # the clients belong to the target this one is a sibling of
+            return
+        super().close()
+        if self._sibling_clients is not None:
+            self._sibling_clients.close()
+            self._sibling_clients = None
 
     # -- connection ------------------------------------------------------------------------------
 
-    def _open(self) -> Any:
+    def _connect(self) -> Any:
+        return self._shared if self._shared is not None else super()._connect()
+
+    def _open(self, settings: dict[str, Any] | None = None) -> Any:
         url = urlparse(self.config.url)
         secure = url.scheme == "https"
         try:
@@ -73,6 +125,7 @@ class ClickHouseTarget(SqlTarget):
                 secure=secure,
                 verify=self.config.verify,
                 ca_cert=self.config.ca_file if secure else None,
+                settings=settings,
             )
             client.command(f"CREATE DATABASE IF NOT EXISTS {sql.quote(self.database)}")
         except Exception as error:  # connection errors come from urllib3 as well as the driver

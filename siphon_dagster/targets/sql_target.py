@@ -8,6 +8,7 @@ table, a snapshot's COPY text into tables).
 
 from __future__ import annotations
 
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -75,6 +76,11 @@ class SqlTarget(ABC):
     last_load_statements = 0
     _statements = 0
     _connection: Any = None
+    # How long a stream write may trust an earlier lookup of the table's resync shadow (0: every
+    # write looks). A resync waits longer than this between creating the shadow and reading its
+    # first range (siphon_dagster.resync), so a write the shadow needs always finds it.
+    shadow_lookup_seconds = 0.0
+    _shadows_seen: dict[str, tuple[float, bool]] | None = None  # shadow name -> (looked up at, exists)
 
     @property
     def name(self) -> str:
@@ -126,6 +132,13 @@ class SqlTarget(ABC):
         """Applies COPY text, every row at `version`, to each of `targets` in order; rows applied."""
 
     # -- connection and statements --------------------------------------------------------------------------------
+
+    def sibling(self) -> SqlTarget:
+        """A target of the same configuration for another table of a streaming run; a target
+        whose connections can serve many tables at once shares them with its siblings."""
+        sibling = type(self)(self.config)  # type: ignore[call-arg, attr-defined]
+        sibling.shadow_lookup_seconds = self.shadow_lookup_seconds
+        return sibling
 
     def _connect(self) -> Any:
         """The connection, opened on first use."""
@@ -205,10 +218,27 @@ class SqlTarget(ABC):
     def _shadow_exists(self, names: TableNames) -> bool:
         return self._table_exists(names, names.bare("shadow"))
 
-    def _write_targets(self, names: TableNames) -> list[str]:
+    def _write_targets(self, names: TableNames, stream: bool = False) -> list[str]:
         # The resync table first, then the live one: a swap between the two writes leaves the rows
         # in the table that ends up live either way (see siphon_dagster.resync).
-        return ([names.shadow] if self._shadow_exists(names) else []) + [names.live]
+        exists = self._stream_shadow_exists(names) if stream else self._shadow_exists(names)
+        return ([names.shadow] if exists else []) + [names.live]
+
+    def _stream_shadow_exists(self, names: TableNames) -> bool:
+        """`_shadow_exists`, trusted for `shadow_lookup_seconds`: a stream write looks it up at most
+        that often per table. The time is taken before the lookup, so an answer is never older
+        than it says; a write to a shadow gone since is skipped by `_write_each`."""
+        if self.shadow_lookup_seconds <= 0:
+            return self._shadow_exists(names)
+        seen = self._shadows_seen if self._shadows_seen is not None else {}
+        self._shadows_seen = seen
+        now = time.monotonic()
+        looked = seen.get(names.shadow)
+        if looked is not None and now - looked[0] < self.shadow_lookup_seconds:
+            return looked[1]
+        exists = self._shadow_exists(names)
+        seen[names.shadow] = (now, exists)
+        return exists
 
     def _write_each(self, names: TableNames, targets: Sequence[str], write: Callable[[str], object]) -> None:
         for target in targets:
@@ -218,6 +248,8 @@ class SqlTarget(ABC):
                 # The resync table went (swapped in and dropped, or abandoned) after it was looked
                 # up: the live write that follows reaches the table that is live now.
                 if target == names.shadow and not self._shadow_exists(names):
+                    if self._shadows_seen is not None:
+                        self._shadows_seen[names.shadow] = (time.monotonic(), False)
                     continue
                 raise
 
@@ -244,7 +276,7 @@ class SqlTarget(ABC):
         if rows.schema.names != expected.names:
             raise TargetError(names.describe(f"batch columns {rows.schema.names} differ from {expected.names}"))
         started = self._statements
-        self._write_batch(names, rows, self._write_targets(names))
+        self._write_batch(names, rows, self._write_targets(names, stream=True))
         self.last_load_statements = self._statements - started
         return rows.num_rows
 
@@ -269,7 +301,7 @@ class SqlTarget(ABC):
     def tombstone_all(self, table: TableSchema, version: int) -> int:
         names = self._names(table)
         count = self._fetch(names, "counting rows to tombstone", *self.dialect.count_older(names, version))[0][0]
-        self._write_each(names, self._write_targets(names), lambda target: self._execute(
+        self._write_each(names, self._write_targets(names, stream=True), lambda target: self._execute(
             names, "tombstoning every row", *self.dialect.tombstone_all(target, table, version)))
         self._execute(names, "recording the truncate", *self.dialect.record_truncation(names, version))
         return int(count)

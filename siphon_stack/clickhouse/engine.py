@@ -57,13 +57,19 @@ class Connection:
         # the same few settings with every request, and reading them each time cost more than the
         # request. Forgotten when a SET statement may have changed them.
         self._session_values: dict[str, str] = {}
-        self._overridden: dict[str, str] = {}  # the request values currently in force
+        self._overridden: dict[str, None] = {}  # settings the last request gave values of its own, in order
+        # What this connection last set each setting to: a request whose settings are already in
+        # force runs no SET (each statement costs the engine as much as a small query).
+        self._in_force: dict[str, str] = {}
 
     def prepare(self, database: str | None, settings: dict[str, str], statement: str) -> None:
         if statement == "SET":
             # What SET changes belongs to the session, so it must not be undone as a request override.
-            self._restore(list(self._overridden))
+            self._apply({name: self._session_values[name] for name in self._overridden
+                         if name in self._session_values})
+            self._overridden.clear()
             self._session_values.clear()
+            self._in_force.clear()
         else:
             self._override(settings)
         target = database or self._own_database
@@ -75,15 +81,26 @@ class Connection:
         if statement == "USE":
             database = self.query("SELECT currentDatabase()", "TabSeparated").bytes().decode().strip()
             self._own_database = self._current_database = database
+        if statement == "SET":
+            self._in_force.clear()  # the statement may have set anything
 
     def _override(self, settings: dict[str, str]) -> None:
-        self._restore([name for name in self._overridden if name not in settings])
+        """Puts the request's settings in force, and the session's own values back for settings the
+        previous request overrode and this one does not, in one SET of what differs."""
         if self._keeps_state:
             self._remember([name for name in settings if name not in self._session_values])
-        changes = {name: value for name, value in settings.items() if self._overridden.get(name) != value}
+        wanted = {name: self._session_values[name] for name in self._overridden
+                  if name not in settings and name in self._session_values}
+        wanted.update(settings)
+        self._apply(wanted)
+        self._overridden = dict.fromkeys(settings)
+
+    def _apply(self, values: dict[str, str]) -> None:
+        changes = {name: value for name, value in values.items()
+                   if self._in_force.get(name, self._session_values.get(name)) != value}
         if changes:
             self.execute("SET " + ", ".join(f"{name} = {quote(value)}" for name, value in changes.items()))
-            self._overridden.update(changes)
+            self._in_force.update(changes)
 
     def _remember(self, names: list[str]) -> None:
         if not names:
@@ -93,14 +110,6 @@ class Connection:
         for line in rows.bytes().splitlines():
             row = json.loads(line)
             self._session_values[row["name"]] = row["value"]
-
-    def _restore(self, names: list[str]) -> None:
-        """Puts the session's own values back for settings a request no longer overrides."""
-        for name in names:
-            self._overridden.pop(name, None)
-        values = {name: self._session_values[name] for name in names if name in self._session_values}
-        if values:
-            self.execute("SET " + ", ".join(f"{name} = {quote(value)}" for name, value in values.items()))
 
     def execute(self, sql: str) -> Result:
         return self.query(sql, "TabSeparated")

@@ -56,3 +56,19 @@ def test_packages_stay_below_the_message_limit_whatever_max_bytes_says():
     packager.flush_all()
     assert len(out) > 3 and all(len(p.package.SerializeToString()) < 65_536 for p in out)
     assert sum(p.event_count for p in out) == 199
+
+
+def test_idle_flush_waits_for_the_minimum_age():
+    out = []
+    now = [100.0]
+    limits = PackageLimits(1000, 10**6, 3, 10**6, idle_min_age_seconds=0.5)
+    packager = Packager("app", limits, out.append, clock=lambda: now[0])
+    table = relation(1)
+    add(packager, table, 1)
+    now[0] += 0.4
+    packager.flush_idle(lambda relation_id: True)
+    assert out == []  # too young: the next burst joins it
+    add(packager, table, 2)
+    now[0] += 0.2
+    packager.flush_idle(lambda relation_id: True)
+    assert [p.event_count for p in out] == [2]

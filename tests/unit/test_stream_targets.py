@@ -1,0 +1,191 @@
+"""What a streaming run's targets share and save, without a server: the resync-shadow look-up a
+stream write may reuse, siblings that share a ClickHouse client per thread, and the embedded
+server's settings, put in force only when a request's differ from what is in force."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from siphon_core.config import ClickHouseTargetConfig, SnowflakeTargetConfig, StreamingConfig
+from siphon_dagster.targets import clickhouse as clickhouse_module
+from siphon_dagster.targets import sql_target
+from siphon_dagster.targets.base import SourceColumn, TableSchema, change_batch_schema
+from siphon_dagster.targets.clickhouse import ClickHouseTarget
+from siphon_dagster.targets.snowflake import SnowflakeTarget
+from siphon_stack.clickhouse.engine import Connection
+
+ITEMS = TableSchema("public", "items", (
+    SourceColumn("id", 23, "integer", nullable=False, primary_key=True),
+    SourceColumn("label", 25, "text"),
+))
+
+
+def batch(key: int) -> pa.Table:
+    return pa.Table.from_arrays([pa.array([str(key)]), pa.array(["x"]), pa.array([key], pa.decimal128(38, 0)),
+                                 pa.array([False])], schema=change_batch_schema(ITEMS))
+
+
+class RecordingClickHouse(ClickHouseTarget):
+    """A ClickHouse target whose statements are recorded instead of sent; the shadow exists when
+    `shadow` says so."""
+
+    def __init__(self, lookup_seconds: float) -> None:
+        super().__init__(ClickHouseTargetConfig(url="http://127.0.0.1:1", database="db"))
+        self.shadow_lookup_seconds = lookup_seconds
+        self.shadow = False
+        self.lookups = 0
+        self.written: list[str] = []
+
+    def _table_exists(self, names, name):  # noqa: ANN001, ANN202
+        self.lookups += 1
+        return self.shadow
+
+    def _write_batch(self, names, rows, targets):  # noqa: ANN001, ANN202
+        self.written.append(",".join(targets))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr(sql_target.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_a_stream_write_reuses_its_shadow_lookup_for_the_configured_seconds(clock: list[float]) -> None:
+    target = RecordingClickHouse(lookup_seconds=10.0)
+    target.apply_rows(ITEMS, batch(1))
+    clock[0] += 9.9
+    target.shadow = True  # a resync started: the write within the window does not look again
+    target.apply_rows(ITEMS, batch(2))
+    clock[0] += 0.2
+    target.apply_rows(ITEMS, batch(3))
+    assert target.lookups == 2
+    assert target.written == ["`db`.`public__items`", "`db`.`public__items`",
+                              "`db`.`public__items__resync`,`db`.`public__items`"]
+
+
+def test_without_a_window_every_stream_write_looks_for_the_shadow(clock: list[float]) -> None:
+    target = RecordingClickHouse(lookup_seconds=0.0)
+    for key in range(3):
+        target.apply_rows(ITEMS, batch(key))
+    assert target.lookups == 3
+
+
+def test_a_resync_waits_out_the_streams_window_before_its_first_snapshot(monkeypatch) -> None:
+    from siphon_core.config import TableConfig
+    from siphon_dagster import resync
+    from siphon_dagster.specs import TableSpec
+
+    slept: list[float] = []
+    monkeypatch.setattr(resync.time, "sleep", slept.append)
+    spec = TableSpec("app", TableConfig(name="public.items"), ("clickhouse",), StreamingConfig(shadow_lookup_seconds=4.0))
+    said: list[str] = []
+    resync._wait_for_streaming_runs(spec, said.append)  # noqa: SLF001
+    assert slept and slept[0] > 4.0 and "streaming.shadow_lookup_seconds" in said[0]
+    slept.clear()
+    resync._wait_for_streaming_runs(TableSpec("app", TableConfig(name="public.items"), ("clickhouse",),  # noqa: SLF001
+                                              StreamingConfig(shadow_lookup_seconds=0)), said.append)
+    assert slept == []  # streams that look before every write need no wait
+
+
+class FakeClient:
+    def __init__(self, settings: dict[str, Any] | None) -> None:
+        self.settings = settings
+        self.closed = False
+        self.thread = threading.get_ident()
+
+    def command(self, statement: str, **kwargs: Any) -> str:
+        return f"{statement} on {id(self)}"
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_siblings_share_one_client_per_thread_and_the_first_target_closes_them(monkeypatch) -> None:
+    opened: list[FakeClient] = []
+
+    def fake_open(self: ClickHouseTarget, settings: dict[str, Any] | None = None) -> FakeClient:
+        opened.append(FakeClient(settings))
+        return opened[-1]
+
+    monkeypatch.setattr(ClickHouseTarget, "_open", fake_open)
+    first = ClickHouseTarget(ClickHouseTargetConfig(url="http://127.0.0.1:1", database="db"))
+    first.shadow_lookup_seconds = 7.0
+    siblings = [first.sibling() for _ in range(50)]
+    assert all(s.shadow_lookup_seconds == 7.0 for s in siblings)
+    answers = [s._connect().command("SELECT 1") for s in siblings]  # noqa: SLF001
+    other: list[str] = []
+    worker = threading.Thread(target=lambda: other.append(siblings[3]._connect().command("SELECT 1")))  # noqa: SLF001
+    worker.start()
+    worker.join()
+    assert len(set(answers)) == 1 and other[0] != answers[0]  # one client per thread, not per table
+    assert len(opened) == 2 and all(c.settings == clickhouse_module.BATCH_INSERT_SETTINGS for c in opened)
+    siblings[0].close()
+    assert not any(c.closed for c in opened)  # a sibling leaves the shared clients open
+    first.close()
+    assert all(c.closed for c in opened)
+
+
+def test_a_snowflake_sibling_is_a_target_of_its_own() -> None:
+    first = SnowflakeTarget(SnowflakeTargetConfig(account="a", user="u", password="p", database="d", schema="s"))
+    first.shadow_lookup_seconds = 3.0
+    sibling = first.sibling()
+    assert sibling is not first and sibling.config is first.config and sibling.shadow_lookup_seconds == 3.0
+
+
+def test_a_run_of_several_tables_decodes_its_batches_itself_unless_configured() -> None:
+    assert StreamingConfig().driver_decode_limit(1) == 1_000_000
+    assert StreamingConfig().driver_decode_limit(200) == 2 * StreamingConfig().batch_max_bytes
+    assert StreamingConfig(driver_decode_max_bytes=0).driver_decode_limit(200) == 0
+
+
+class _Result:
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def bytes(self) -> bytes:
+        return self._text.encode()
+
+
+class RecordingEngineConnection:
+    """chdb's connection as the engine's `Connection` uses it: the session's settings, and every
+    statement run."""
+
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+        self.values = {"max_threads": "auto(2)", "optimize_on_insert": "1"}
+
+    def query(self, sql: str, output_format: str, params: dict | None = None) -> _Result:
+        if sql.startswith("SELECT name, value FROM system.settings"):
+            import json
+
+            return _Result("\n".join(json.dumps({"name": n, "value": v}) for n, v in self.values.items()))
+        self.statements.append(sql)
+        return _Result("")
+
+
+def test_the_embedded_server_sets_only_settings_that_differ_from_those_in_force() -> None:
+    raw = RecordingEngineConnection()
+    connection = Connection(raw, keeps_state=True)
+    batch_settings = {"max_threads": "2", "optimize_on_insert": "0"}
+    connection.prepare(None, batch_settings, "INSERT")
+    connection.prepare(None, batch_settings, "INSERT")
+    assert [s for s in raw.statements if s.startswith("SET")] == ["SET max_threads = '2', optimize_on_insert = '0'"]
+    raw.statements.clear()
+    # A request without them gets the session's values back, in one statement; the same request again sets nothing.
+    connection.prepare(None, {}, "SELECT")
+    connection.prepare(None, {}, "SELECT")
+    assert raw.statements == ["SET max_threads = 'auto(2)', optimize_on_insert = '1'"]
+    raw.statements.clear()
+    # A value equal to the session's own is already in force.
+    connection.prepare(None, {"optimize_on_insert": "1"}, "SELECT")
+    assert raw.statements == []
+    # After a SET statement nothing is known to be in force: the next override is set again.
+    connection.prepare(None, {}, "SET")
+    connection.finish("SET")
+    connection.prepare(None, batch_settings, "INSERT")
+    assert [s for s in raw.statements if s.startswith("SET")] == ["SET max_threads = '2', optimize_on_insert = '0'"]
