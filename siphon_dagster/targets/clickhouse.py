@@ -10,9 +10,10 @@ The lifecycle is `sql_target.SqlTarget`'s; this module is ClickHouse's hooks.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from clickhouse_connect.driver.external import ExternalData
 from siphon_core.config import ClickHouseTargetConfig
 from siphon_core.redaction import redact_url
 from siphon_dagster.targets import clickhouse_sql as sql
-from siphon_dagster.targets.base import SchemaChange, SourceColumn, TargetError
+from siphon_dagster.targets.base import SchemaChange, SourceColumn, TableSchema, TargetError
 from siphon_dagster.targets.names import TableNames
 from siphon_dagster.targets.sql_dialect import stage_column, staging_names
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
@@ -87,6 +88,7 @@ class ClickHouseTarget(SqlTarget):
         self.database = config.database
         self.namespace = (config.database,)
         self._shared = shared  # the clients of the target this one is a sibling of
+        self._landings: set[str] = set()  # landing tables (with their views) ensured by this target
         self._sibling_clients: _ClientPerThread | None = None  # the clients this target's siblings share
 
     def sibling(self) -> ClickHouseTarget:
@@ -196,8 +198,69 @@ class ClickHouseTarget(SqlTarget):
 
     # -- loads -----------------------------------------------------------------------------------
 
+    # -- the live table's landing ----------------------------------------------------------------
+
+    def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
+        change = super().ensure_table(table, backfill)
+        if not change.incompatible:
+            self._ensure_landing(self._names(table))
+        return change
+
+    def _landing_of(self, names: TableNames) -> tuple[str, str, str]:
+        """(bare name, landing table, its view) of the landing for the table's current columns: a
+        new column list gets a landing of its own, so a writer still on the old list keeps its own."""
+        definition = sql.landing_view("{view}", "{landing}", "{alias}", names.live, names.table)
+        fingerprint = hashlib.sha256(definition.encode()).hexdigest()[:12]
+        bare = f"{names.table_name}{sql.LANDING_INFIX}{fingerprint}"
+        return bare, names.qualified(bare), names.qualified(f"{bare}_view")
+
+    def _ensure_landing(self, names: TableNames) -> None:
+        bare, landing, view = self._landing_of(names)
+        # The view is made after its landing and dropped before it (drop_table): a landing that
+        # exists always has its view, so an insert into it is never taken in and thrown away.
+        if not self._table_exists(names, f"{bare}_view"):
+            self._execute(names, "creating the landing table", sql.create_landing(landing, names.table))
+            self._execute(names, "creating the landing view", sql.landing_view(view, landing, bare, names.live,
+                                                                              names.table))
+        self._landings.add(landing)
+
+    def drop_table(self, table: TableSchema) -> None:
+        names = self._names(table)
+        landings = self._fetch(names, "listing landing tables",
+                               "SELECT name FROM system.tables WHERE database = {db:String} AND startsWith(name, {p:String})"
+                               " AND NOT endsWith(name, '_view')",
+                               {"db": self.database, "p": f"{names.table_name}{sql.LANDING_INFIX}"})
+        for (bare,) in landings:
+            self._execute(names, "dropping a landing view", f"DROP VIEW IF EXISTS {names.qualified(bare + '_view')}")
+            self._execute(names, "dropping a landing table", f"DROP TABLE IF EXISTS {names.qualified(bare)}")
+            self._landings.discard(names.qualified(bare))
+        super().drop_table(table)
+
+    # -- loads -----------------------------------------------------------------------------------
+
     def _write_batch(self, names: TableNames, rows: pa.Table, targets: Sequence[str]) -> None:
         staged = _staged(names, rows)
+        landing = self._landing_of(names)[1]
+        if names.live in targets and landing in self._landings:
+            # The live table's rows go through its landing (any size, one insert); a resync's
+            # shadow still gets them first, the way below.
+            others = [target for target in targets if target != names.live]
+            if others:
+                self._write_other(names, staged, others)
+            self._insert_landing(names, landing, staged)
+            return
+        self._write_other(names, staged, targets)
+
+    def _insert_landing(self, names: TableNames, landing: str, staged: pa.Table) -> None:
+        self._statements += 1
+        try:
+            self._connect().raw_insert(landing, staged.column_names, insert_block=_arrow_stream(staged),
+                                       settings=BATCH_INSERT_SETTINGS, fmt="ArrowStream")
+        except ClickHouseError as error:
+            self._landings.discard(landing)  # looked up again by the next ensure_table
+            raise TargetError(names.describe(f"applying a batch through {landing} failed: {error}")) from error
+
+    def _write_other(self, names: TableNames, staged: pa.Table, targets: Sequence[str]) -> None:
         if staged.nbytes > EXTERNAL_BATCH_MAX_BYTES:
             super()._write_batch(names, staged, targets)  # a staging table, filled by a streamed insert
             return

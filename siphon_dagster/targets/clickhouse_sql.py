@@ -222,6 +222,30 @@ def _converted(column: SourceColumn, operand: str) -> str:
 
 # The external table a change batch is sent as, beside the statement that inserts it.
 BATCH_TABLE = "_siphon_batch"
+# `<schema>__<table>__landing_<fingerprint>`: where stream batches of the live table are inserted.
+LANDING_INFIX = "__landing_"
+
+
+def create_landing(landing: str, table: TableSchema) -> str:
+    """Where the stream inserts a change batch of the live table, as it is staged (the values as
+    text, version, delete flag): a Null table keeps nothing, its materialized view converts the
+    rows into the live table. One plain insert per batch, where an insert of an external table
+    costs the server a temporary table made and dropped around it."""
+    return f"CREATE TABLE IF NOT EXISTS {landing} ({dialect.stage_structure(table)}) ENGINE = Null"
+
+
+def landing_view(view: str, landing: str, alias: str, live: str, table: TableSchema) -> str:
+    """`insert_from_stage`'s conversion as the landing table's materialized view into the live table.
+    It names its target: a resync's EXCHANGE of the live table and its shadow leaves it writing to
+    the table that is live. The landing's columns are qualified by `alias` (a name no source column
+    has), since the view's aliases are the source's column names, which may be positional names."""
+    values = [f"{_converted(c, f'{quote(alias)}.{quote(stage_column(i))}')} AS {quote(c.name)}"
+              for i, c in enumerate(table.columns)]
+    values += [f"toUInt128({quote(alias)}.{quote(STAGE_VERSION)}) AS {quote(VERSION_COLUMN)}",
+               f"{quote(alias)}.{quote(STAGE_DELETED)} AS {quote(DELETED_COLUMN)}",
+               f"{NOW} AS {quote(SYNCED_AT_COLUMN)}"]
+    return (f"CREATE MATERIALIZED VIEW IF NOT EXISTS {view} TO {live} AS SELECT {', '.join(values)} "
+            f"FROM {landing} AS {quote(alias)}")
 
 
 def insert_from_stage(target: str, stage: str, table: TableSchema) -> str:

@@ -16,15 +16,17 @@ import pytest
 
 from siphon_core.config import parse_config
 from siphon_dagster.targets import build_target, clickhouse
-from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, change_batch_schema
+from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, TargetError, change_batch_schema
 
-TARGETS = ["clickhouse", "clickhouse_staged", "snowflake", "snowflake_stage"]
+TARGETS = ["clickhouse", "clickhouse_external", "clickhouse_staged", "snowflake", "snowflake_stage"]
 # How each Snowflake variant loads a batch: `stage_min_rows` sends every batch one way.
 SNOWFLAKE_LOADS = {"snowflake": ("insert", 10**9), "snowflake_stage": ("stage", 0)}
-# Statements of a ClickHouse change batch (Arrow inserts not counted): the resync table's lookup
-# and one INSERT with the batch as its external table; through a staging table (every batch past
-# EXTERNAL_BATCH_MAX_BYTES, here all of them) a CREATE and a DROP more.
-CLICKHOUSE_BATCH_STATEMENTS = {"clickhouse": 2, "clickhouse_staged": 4}
+# Statements of a ClickHouse change batch: the resync table's lookup and one insert into the live
+# table's landing (`clickhouse`). Without a landing (a resync's shadow table, a target that did not
+# ensure the table): one INSERT with the batch as its external table (`clickhouse_external`), or
+# through a staging table (every batch past EXTERNAL_BATCH_MAX_BYTES, here all of them) a CREATE and
+# a DROP more, Arrow inserts not counted (`clickhouse_staged`).
+CLICKHOUSE_BATCH_STATEMENTS = {"clickhouse": 2, "clickhouse_external": 2, "clickhouse_staged": 4}
 
 
 def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str) -> dict:
@@ -67,6 +69,8 @@ def assert_load_path(target: Target, variant: str) -> None:
 def target(request: pytest.FixtureRequest, unique_name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
     if request.param == "clickhouse_staged":
         monkeypatch.setattr(clickhouse, "EXTERNAL_BATCH_MAX_BYTES", -1)
+    if request.param in ("clickhouse_external", "clickhouse_staged"):
+        monkeypatch.setattr(clickhouse.ClickHouseTarget, "_ensure_landing", lambda self, names: None)
     built = make_target(request, request.param, unique_name)
     yield built
     built.close()
@@ -74,7 +78,8 @@ def target(request: pytest.FixtureRequest, unique_name: str, monkeypatch: pytest
 
 @pytest.fixture
 def variant(request: pytest.FixtureRequest) -> str:
-    """The `target` parameter of this test: clickhouse, clickhouse_staged, snowflake or snowflake_stage."""
+    """The `target` parameter of this test: clickhouse, clickhouse_external, clickhouse_staged, snowflake or
+    snowflake_stage."""
     return request.node.callspec.params["target"]
 
 
@@ -301,6 +306,44 @@ def test_clickhouse_view_is_right_before_and_after_merges(request: pytest.Fixtur
     assert target.current_rows_as_text(NOTES) == [("2", "b2", "3")]
     assert target.max_version(NOTES) == 40
     target.close()
+
+
+def test_clickhouse_landing_tables_follow_the_column_list_and_go_with_the_table(request: pytest.FixtureRequest,
+                                                                               unique_name: str) -> None:
+    """Stream batches reach the live table through a landing table of the batch's column list: a
+    writer still on the old list keeps its landing when another adds a column, a landing dropped
+    under a writer fails its insert (nothing is taken in and lost), and drop_table removes them."""
+    old_writer = make_target(request, "clickhouse", unique_name)
+    new_writer = make_target(request, "clickhouse", unique_name)
+    client = old_writer._connect()  # noqa: SLF001 - the landings are ClickHouse-specific
+
+    def landings() -> list[str]:
+        return sorted(r[0] for r in client.query(
+            "SELECT name FROM system.tables WHERE database = {d:String} AND name LIKE '%landing%'",
+            parameters={"d": unique_name}).result_rows)
+
+    old_writer.ensure_table(NOTES)
+    old_writer.apply_rows(NOTES, batch(NOTES, [row(1, "a", 1, 10)]))
+    assert len(landings()) == 2  # the landing and its view
+    grown = TableSchema("public", "notes", (*NOTES.columns, SourceColumn("tags", 1009, "text[]")))
+    new_writer.ensure_table(grown)
+    new_writer.apply_rows(grown, batch(grown, [("2", "b", "2", "{x}", 11, False)]))
+    old_writer.apply_rows(NOTES, batch(NOTES, [row(3, "c", 3, 12)]))  # its landing is still there
+    assert len(landings()) == 4
+    assert old_writer.current_rows_as_text(grown) == [("1", "a", "1", None), ("2", "b", "2", "{x}"),
+                                                       ("3", "c", "3", None)]
+    landing = new_writer._landing_of(new_writer._names(grown))[0]  # noqa: SLF001
+    client.command(f"DROP VIEW `{unique_name}`.`{landing}_view`")
+    client.command(f"DROP TABLE `{unique_name}`.`{landing}`")
+    with pytest.raises(TargetError, match="landing"):
+        new_writer.apply_rows(grown, batch(grown, [("4", "d", "4", None, 13, False)]))
+    new_writer.ensure_table(grown)
+    new_writer.apply_rows(grown, batch(grown, [("4", "d", "4", None, 13, False)]))
+    assert ("4", "d", "4", None) in new_writer.current_rows_as_text(grown)
+    new_writer.drop_table(grown)
+    assert landings() == []
+    old_writer.close()
+    new_writer.close()
 
 
 def test_snowflake_view_reads_a_key_stored_twice_as_its_newest_copy(request: pytest.FixtureRequest,
