@@ -203,7 +203,7 @@ class ProducerConfig(_Model):
     # send, once it is this old: a workload of many small commits a second then makes about one
     # package per table and this interval, not one per commit (each costs the queue and every
     # consumer a message). The longest an event waits is still flush_interval_seconds.
-    idle_flush_min_age_seconds: float = Field(default=0.5, ge=0)
+    idle_flush_min_age_seconds: float = Field(default=1.0, ge=0)
     max_package_events: int = Field(default=10_000, ge=1)
     max_package_bytes: int = Field(default=800_000, ge=1024)
     metrics_port: int = Field(default=9187, ge=0, le=65535)
@@ -302,8 +302,21 @@ class ClickHouseTargetConfig(_Model):
     # whether the certificate is checked at all.
     ca_file: str | None = None
     verify: bool = True
+    # MergeTree settings of the tables Siphon creates. Every stream batch is a part of its own: a
+    # part this small is stored as one file instead of one per kind of data (about ten), which on
+    # the local file system cost each insert as much CPU as the rest of it. `{}` for a server that
+    # refuses the setting.
+    table_settings: dict[str, int | str] = Field(default_factory=lambda: {"min_bytes_for_full_part_storage": 16 << 20})
 
     _ca = field_validator("ca_file")(_readable_file)
+
+    @field_validator("table_settings")
+    @classmethod
+    def _setting_names(cls, value: dict[str, int | str]) -> dict[str, int | str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"'{name}' is not a MergeTree setting name")
+        return value
 
     @field_validator("url")
     @classmethod

@@ -85,6 +85,7 @@ class ClickHouseTarget(SqlTarget):
 
     def __init__(self, config: ClickHouseTargetConfig, shared: _ClientPerThread | None = None) -> None:
         self.config = config
+        self.dialect = sql.ClickHouseDialect(config.table_settings)
         self.database = config.database
         self.namespace = (config.database,)
         self._shared = shared  # the clients of the target this one is a sibling of
@@ -201,7 +202,14 @@ class ClickHouseTarget(SqlTarget):
     # -- the live table's landing ----------------------------------------------------------------
 
     def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
-        change = super().ensure_table(table, backfill)
+        try:
+            change = super().ensure_table(table, backfill)
+        except TargetError as error:
+            refused = [name for name in self.config.table_settings if name in str(error)]
+            if refused:
+                raise TargetError(f"{error}; the server refuses the table setting(s) {refused}: set "
+                                  "targets.clickhouse.table_settings in siphon.yaml without them ({} for none)") from error
+            raise
         if not change.incompatible:
             self._ensure_landing(self._names(table))
         return change

@@ -7,7 +7,7 @@ text spliced into SQL, except a DEFAULT in DDL, which takes no parameters (`back
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from clickhouse_connect.driver.binding import escape_str, format_query_value
@@ -66,6 +66,10 @@ class ClickHouseDialect(ClickHouseCheckStatements):
     # never compressed into a part on disk only to be read back.
     stage_options = " ENGINE = Memory"
 
+    def __init__(self, table_settings: Mapping[str, int | str] | None = None) -> None:
+        # MergeTree settings of the tables created (`targets.clickhouse.table_settings`).
+        self.table_settings = dict(table_settings or {})
+
     def quote(self, identifier: str) -> str:
         return quote(identifier)
 
@@ -100,8 +104,9 @@ class ClickHouseDialect(ClickHouseCheckStatements):
         `OPTIMIZE ... FINAL CLEANUP`, which Siphon never runs): a removed tombstone would let an
         older change applied later come back.
         """
+        settings = ", ".join(f"{name} = {format_query_value(value)}" for name, value in self.table_settings.items())
         return (f" ENGINE = ReplacingMergeTree({quote(VERSION_COLUMN)}, {quote(DELETED_COLUMN)}) "
-                f"ORDER BY ({self.key_order(table)})")
+                f"ORDER BY ({self.key_order(table)})" + (f" SETTINGS {settings}" if settings else ""))
 
     def log_table_options(self) -> str:
         return " ENGINE = MergeTree ORDER BY tuple()"
