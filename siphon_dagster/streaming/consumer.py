@@ -90,6 +90,7 @@ class StreamConsumer:
         # threads decoding at once only take turns, and starve the event loop of the lock), apart
         # from the threads that wait on the target and Spark.
         self.cpu_executor: Executor | None = None
+        self.on_ready: Callable[[], None] | None = None  # called once the consumer is set up
         # False: one batch in flight, pulled only once the one before is acked. Pulling and
         # decoding ahead speeds a table that has the process to itself, but a run of hundreds of
         # tables has more batches than threads: each table's batches ahead only wait in the queue
@@ -119,6 +120,8 @@ class StreamConsumer:
                 await self.queue.ensure_stream()
                 info = await self._rewind_if_interrupted(await self.queue.ensure_consumer(self.durable, self.subject))
                 subscription = await self.queue.bind(self.durable)
+            if self.on_ready is not None:
+                self.on_ready()
             progress = asyncio.create_task(self._mark_in_progress(self._progress_interval(info)))
             try:
                 await self._loop(subscription, summary, stop_when_drained, max_batches, on_batch)

@@ -10,6 +10,7 @@ started again with exponential backoff, while the other tables go on.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ class GroupRunner:
         # take turns, and the event loop (every table's pulls and acks) waits behind them.
         self.decode_concurrency = decode_concurrency or os.cpu_count() or 2
         self._cpu_executor: ThreadPoolExecutor | None = None
+        self._ready_tables: set[str] = set()
+        self._heap_settled = False
         # Reports (Dagster events, metrics) are written by one thread of their own, in order: an
         # event log write waits on its storage, and the event loop must never wait with it.
         self._reporter: ThreadPoolExecutor | None = None
@@ -95,6 +98,7 @@ class GroupRunner:
         self._loop = asyncio.get_running_loop()
         self._loop.set_default_executor(ThreadPoolExecutor(self.apply_threads, thread_name_prefix="siphon-apply"))
         self._setup_gate = asyncio.Semaphore(self.setup_concurrency)
+        settle_heap()  # what is loaded before the first table starts: Dagster, the definitions
         self._cpu_executor = ThreadPoolExecutor(self.decode_concurrency, thread_name_prefix="siphon-decode")
         self._stopped = asyncio.Event()
         if self._stopping.is_set():
@@ -165,6 +169,7 @@ class GroupRunner:
         consumer = self.make_consumer(table)
         consumer.setup_gate = self._setup_gate
         consumer.cpu_executor = self._cpu_executor
+        consumer.on_ready = lambda: self._ready(table.name)
         if self.pace is not None:
             consumer.batch_wait = self.pace.wait_seconds
         self._consumers[table.name] = consumer
@@ -174,6 +179,14 @@ class GroupRunner:
             await consumer.run_async(stop_when_drained=stop_when_drained, on_batch=lambda r: self._batch(r, totals))
         finally:
             self._consumers.pop(table.name, None)
+
+    def _ready(self, table: str) -> None:
+        """Once every table's consumer is set up, what the run holds for good (Dagster's
+        definitions, every consumer and target) leaves the cyclic collector's reach."""
+        self._ready_tables.add(table)
+        if not self._heap_settled and len(self._ready_tables) == len(self.tables):
+            self._heap_settled = True
+            settle_heap()
 
     def _batch(self, report: BatchReport, totals: RunSummary) -> None:
         if self.pace is not None:
@@ -196,6 +209,15 @@ class GroupRunner:
         while True:
             await asyncio.sleep(self.tick_seconds)
             self._report(self.tick)
+
+
+def settle_heap() -> None:
+    """Collects what is garbage now, then moves every object alive into the collector's permanent
+    generation (`gc.freeze`). A run of hundreds of tables holds millions of long-lived objects
+    (Dagster's definitions of every table, consumers, targets), and each full collection walked all
+    of them: about a sixth of a core in a run of 200 tables. Refcounting still frees frozen objects."""
+    gc.collect()
+    gc.freeze()
 
 
 class _Stopping(Exception):
