@@ -9,7 +9,7 @@ import sys
 import dagster as dg
 import pytest
 
-from siphon_dagster.compute_logs import FileComputeLogManager
+from siphon_dagster.compute_logs import FileComputeLogManager, mirrored_to_file
 
 
 @dg.op
@@ -54,3 +54,33 @@ def test_without_base_dir_the_logs_go_under_dagster_home(tmp_path, monkeypatch) 
     monkeypatch.delenv("DAGSTER_HOME")
     with pytest.raises(ValueError, match="base_dir, or DAGSTER_HOME"):
         FileComputeLogManager.from_config_value(None, {})
+
+
+def test_a_capture_still_shows_the_output_where_it_went_and_keeps_native_and_child_writes(tmp_path) -> None:
+    path = tmp_path / "out.log"
+    script = f"""
+import os, subprocess, sys
+from siphon_dagster.compute_logs import mirrored_to_file
+with mirrored_to_file(sys.stdout, {str(path)!r}):
+    print("from python", flush=True)
+    os.write(1, b"from the descriptor\\n")
+    subprocess.run([sys.executable, "-c", "print('from a child')"], check=True)
+print("after the capture", flush=True)
+"""
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    kept = path.read_text()
+    for line in ("from python", "from the descriptor", "from a child"):
+        assert line in shown and line in kept, (line, shown, kept)
+    assert shown.endswith("after the capture\n") and "after the capture" not in kept
+
+
+def test_a_capture_keeps_the_file_when_the_terminal_has_gone(tmp_path) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the terminal is gone: writes to it fail with EPIPE
+    path = tmp_path / "out.log"
+    with os.fdopen(write_end, "w") as gone, mirrored_to_file(gone, str(path)):
+        gone.write("first\n")
+        gone.flush()
+        gone.write("second\n")
+        gone.flush()
+    assert path.read_text() == "first\nsecond\n"
