@@ -12,14 +12,15 @@ setup:
 demo: setup
 	$(VENV)/bin/siphon-demo
 
+# Two workers, each with its own local stack; a test file stays on one worker (its module fixtures).
 test: setup lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 unit: setup
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/unit
 
 integration: setup
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integration
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/integration
 
 lint: setup
 	$(VENV)/bin/ruff check .

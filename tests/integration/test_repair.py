@@ -38,6 +38,7 @@ def odd_table(request: pytest.FixtureRequest, app: Application, tmp_path: Path,
         "queue": {"url": app.nats_url},
         "tables": [{"name": app.qualified(ODD), "blocks_per_partition": 1}],
         "targets": {"clickhouse": target_settings(request, "clickhouse", app.identifier)},
+        "streaming": {"shadow_lookup_seconds": 1},
     }))
     home = tmp_path / "dagster_home"
     home.mkdir()

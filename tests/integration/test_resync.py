@@ -112,7 +112,7 @@ def application(request, tmp_path, postgres_dsn, nats_url, clickhouse_url, snowf
         "producer": {"flush_interval_seconds": 0.3, "metrics_port": free_port(), "status_interval_seconds": 0.5},
         "tables": [{"name": f"{unique_name}.items", "blocks_per_partition": 4}],
         "targets": {name: target_settings(request, name, unique_name) for name in TARGETS},
-        "streaming": {"batch_max_wait_seconds": 0.3},
+        "streaming": {"batch_max_wait_seconds": 0.3, "shadow_lookup_seconds": 1},
     }))
     yield load_config(config_path), config_path
     drop_application(postgres_dsn, nats_url, unique_name)

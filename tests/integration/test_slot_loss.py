@@ -375,7 +375,8 @@ def e2e_config(request: pytest.FixtureRequest, app: Application, tmp_path: Path)
         "tables": [{"name": app.qualified(t), "blocks_per_partition": 2} for t in E2E_TABLES],
         "targets": {name: target_settings(request, name, app.identifier) for name in E2E_TARGETS},
         # Batches are decoded in the run's process (no Spark JVM to start): the test is about the gap.
-        "streaming": {"batch_max_wait_seconds": 0.3, "driver_decode_max_bytes": 100_000_000},
+        "streaming": {"batch_max_wait_seconds": 0.3, "driver_decode_max_bytes": 100_000_000,
+                      "shadow_lookup_seconds": 1},
         "checks": {"settle_timeout_seconds": 90, "settle_interval_seconds": 1},
     }))
     config = load_config(path)
