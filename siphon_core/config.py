@@ -412,9 +412,10 @@ class StreamingConfig(_Model):
     materialization_interval_seconds: float = Field(default=60.0, ge=0)
     # Batches up to this many bytes of packages are decoded and folded in the run's own process by
     # the code the Spark tasks run: a Spark job costs tens of milliseconds however small its batch.
-    # Unset: 1 MB for a run of one table, whose backlog Spark's executors decode in parallel; every
-    # batch (up to batch_max_bytes) for a run of several tables, whose tables already keep the
-    # machine's cores busy, where a JVM and its workers would take memory and CPU from them.
+    # Unset: 1 MB for a run of one table, whose backlog Spark's executors decode in parallel, and
+    # for every run when Spark is a Spark Connect server; every batch (up to batch_max_bytes) for a
+    # run of several tables in local mode, whose tables already keep the machine's cores busy,
+    # where a JVM and its workers would take memory and CPU from them.
     driver_decode_max_bytes: int | None = Field(default=None, ge=0)
     # How long a quiet table's pull request waits on its subject before it is renewed.
     idle_pull_seconds: float = Field(default=20.0, gt=0)
@@ -428,11 +429,15 @@ class StreamingConfig(_Model):
     # looks before every batch); a resync waits this long, and 2 s more, before its first snapshot.
     shadow_lookup_seconds: float = Field(default=10.0, ge=0, le=300)
 
-    def driver_decode_limit(self, tables: int) -> int:
-        """`driver_decode_max_bytes` for a run serving `tables` tables."""
+    def driver_decode_limit(self, tables: int, remote_spark: bool = False) -> int:
+        """`driver_decode_max_bytes` for a run serving `tables` tables. With a Spark Connect server
+        (`spark.remote`) larger batches go there whatever the run: its executors cost the run's
+        machine nothing, and a batch decoded in the run would hold its rows in the run's memory."""
         if self.driver_decode_max_bytes is not None:
             return self.driver_decode_max_bytes
-        return SINGLE_TABLE_DRIVER_DECODE_MAX_BYTES if tables <= 1 else 2 * self.batch_max_bytes
+        if tables <= 1 or remote_spark:
+            return SINGLE_TABLE_DRIVER_DECODE_MAX_BYTES
+        return 2 * self.batch_max_bytes
 
     @field_validator("groups")
     @classmethod

@@ -95,7 +95,8 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                     opened[0].shadow_lookup_seconds = streaming.shadow_lookup_seconds
                 targets[table.name] = opened[0].sibling()
             consumer = StreamConsumer(queue=queue, target=targets[table.name], table=table, spark=spark.session,
-                                      streaming=streaming, source=source, run_tables=len(specs))
+                                      streaming=streaming, source=source, run_tables=len(specs),
+                                      remote_spark=spark.remote)
             if not config.stop_when_drained:  # draining needs exact pending counts and short pulls
                 consumer.idle_pull_seconds = streaming.idle_pull_seconds
                 consumer.exact_pending = False

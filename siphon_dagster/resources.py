@@ -125,6 +125,11 @@ class SparkResource(dg.ConfigurableResource):
 
         return get_spark_session(SparkConfig.model_validate(expand_settings(self.settings, "spark")))
 
+    @property
+    def remote(self) -> bool:
+        """Whether Spark is a Spark Connect server (`spark.remote`), not a local session."""
+        return bool(SparkConfig.model_validate(expand_settings(self.settings, "spark")).remote)
+
     def stop_if_idle(self) -> bool:
         """Stops a local session idle for `spark.idle_stop_seconds`; whether it did."""
         from siphon_dagster.streaming.spark_session import stop_if_idle

@@ -55,7 +55,8 @@ class StreamConsumer:
     def __init__(self, queue: JetStreamQueue, target: Target, table: TableConfig,
                  spark: SparkSession | Callable[[], SparkSession],
                  streaming: StreamingConfig | None = None, source: SourceRowReader | None = None,
-                 retry: RetryPolicy | None = None, run_tables: int = 1) -> None:
+                 retry: RetryPolicy | None = None, run_tables: int = 1,
+                 remote_spark: bool = False) -> None:
         self.queue = queue
         self.target = target
         self.table = table
@@ -64,7 +65,7 @@ class StreamConsumer:
         self.subject = naming.table_subject(application, table.schema_name, table.table_name)
         self.durable = naming.consumer_name(target.name, table.schema_name, table.table_name)
         self.applier = BatchApplier(spark, target, table.schema_name, table.table_name, source,
-                                    driver_decode_max_bytes=self.streaming.driver_decode_limit(run_tables))
+                                    driver_decode_max_bytes=self.streaming.driver_decode_limit(run_tables, remote_spark))
         self.strategy = ErrorStrategy(
             table.on_error, queue, self.applier, retry or RetryPolicy(),
             dead_letter_subject=naming.dead_letter_subject(application, table.schema_name, table.table_name),

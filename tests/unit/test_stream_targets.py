@@ -141,6 +141,9 @@ def test_a_run_of_several_tables_decodes_its_batches_itself_unless_configured() 
     assert StreamingConfig().driver_decode_limit(1) == 1_000_000
     assert StreamingConfig().driver_decode_limit(200) == 2 * StreamingConfig().batch_max_bytes
     assert StreamingConfig(driver_decode_max_bytes=0).driver_decode_limit(200) == 0
+    # A Spark Connect server decodes large batches of every run: they would sit in the run's memory.
+    assert StreamingConfig().driver_decode_limit(200, remote_spark=True) == 1_000_000
+    assert StreamingConfig(driver_decode_max_bytes=5).driver_decode_limit(200, remote_spark=True) == 5
 
 
 class _Result:
