@@ -128,7 +128,8 @@ def create_tables(dsn: str, names: list[str]) -> None:
 
 
 def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
-                 run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float) -> None:
+                 run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float,
+                 driver_decode_max_bytes: int | None = None) -> None:
     path.write_text(yaml.safe_dump({
         "application_identifier": APPLICATION,
         "source": {"dsn": dsn},
@@ -137,7 +138,8 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         "tables": [{"name": f"public.{name}"} for name in names],
         "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE}},
         "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60,
-                      "max_batches_per_second": max_batches_per_second, "metrics_port": run_metrics_port},
+                      "max_batches_per_second": max_batches_per_second, "metrics_port": run_metrics_port,
+                      "driver_decode_max_bytes": driver_decode_max_bytes},
         # The tables are created empty before the producer starts, so their streams hold every row
         # and there is nothing to snapshot (bench/snapshot.py measures loads); the hourly checks
         # would land in the measured minutes only when they cross an hour.
@@ -459,6 +461,8 @@ def main() -> int:
                         help="streaming.batch_max_wait_seconds: how long a batch collects after its first message")
     parser.add_argument("--max-batches-per-second", type=float, default=50.0,
                         help="streaming.max_batches_per_second: the run's budget of batches over all tables")
+    parser.add_argument("--driver-decode-max-bytes", type=int, default=None,
+                        help="streaming.driver_decode_max_bytes (default: unset, every batch of a group run in its process)")
     args = parser.parse_args()
     names = table_names(args.tables)
     load_before = os.getloadavg()[0]
@@ -469,7 +473,7 @@ def main() -> int:
         metrics_port = free_port()
         run_metrics_port = free_port()
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
-                     args.batch_wait_seconds, args.max_batches_per_second)
+                     args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes)
         create_tables(stack.dsn, names)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
