@@ -87,6 +87,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         source = SharedSourceRowReader(context.resources.source.dsn)
         queue = context.resources.queue.queue(client_name=f"siphon {group.job_name}")
         spark = context.resources.spark
+        remote_spark = spark.remote  # read once: it validates the spark section
 
         def make_consumer(table: TableConfig) -> StreamConsumer:
             if table.name not in targets:
@@ -96,7 +97,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 targets[table.name] = opened[0].sibling()
             consumer = StreamConsumer(queue=queue, target=targets[table.name], table=table, spark=spark.session,
                                       streaming=streaming, source=source, run_tables=len(specs),
-                                      remote_spark=spark.remote)
+                                      remote_spark=remote_spark)
             if not config.stop_when_drained:  # draining needs exact pending counts and short pulls
                 consumer.idle_pull_seconds = streaming.idle_pull_seconds
                 consumer.exact_pending = False
