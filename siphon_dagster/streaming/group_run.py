@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from siphon_dagster.streaming.pace import BatchPace
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 
 _log = get_logger("streaming.group")
+SWITCH_INTERVAL_SECONDS = 0.00025  # the run's interpreter switch interval (see GroupRunner.run)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,16 @@ class GroupRunner:
             self._loop.call_soon_threadsafe(self._stopped.set)
 
     def run(self, stop_when_drained: bool = False) -> GroupSummary:
-        return asyncio.run(self.run_async(stop_when_drained))
+        # A thread that lets go of the interpreter lock (a pyarrow call, a socket) waits up to the
+        # switch interval to take it back from a thread that keeps computing. A run's threads do
+        # both all the time (decoding, the event loop, the apply threads, the reports): at the
+        # default 5 ms, a decode of 10 ms took 60 to 100 ms, and every table's batch queued behind it.
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+        try:
+            return asyncio.run(self.run_async(stop_when_drained))
+        finally:
+            sys.setswitchinterval(previous)
 
     async def run_async(self, stop_when_drained: bool = False) -> GroupSummary:
         self._loop = asyncio.get_running_loop()

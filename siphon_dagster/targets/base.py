@@ -80,9 +80,12 @@ class TargetError(RuntimeError):
     """A target refused an operation; the message names the table and what to do."""
 
 
+SHADOW_SUFFIX = "__resync"
+
+
 def shadow_table_name(schema: str, table: str) -> str:
     """The table a resync fills before it replaces `<schema>__<table>`."""
-    return f"{target_table_name(schema, table)}__resync"
+    return f"{target_table_name(schema, table)}{SHADOW_SUFFIX}"
 
 
 def truncations_table_name(schema: str, table: str) -> str:

@@ -29,7 +29,7 @@ from clickhouse_connect.driver.external import ExternalData
 from siphon_core.config import ClickHouseTargetConfig
 from siphon_core.redaction import redact_url
 from siphon_dagster.targets import clickhouse_sql as sql
-from siphon_dagster.targets.base import SchemaChange, SourceColumn, TableSchema, TargetError
+from siphon_dagster.targets.base import SHADOW_SUFFIX, SchemaChange, SourceColumn, TableSchema, TargetError
 from siphon_dagster.targets.names import TableNames
 from siphon_dagster.targets.sql_dialect import stage_column, staging_names
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
@@ -99,7 +99,7 @@ class ClickHouseTarget(SqlTarget):
         if self._sibling_clients is None:
             self._sibling_clients = _ClientPerThread(lambda: self._open(settings=BATCH_INSERT_SETTINGS))
         sibling = ClickHouseTarget(self.config, shared=self._sibling_clients)
-        sibling.shadow_lookup_seconds = self.shadow_lookup_seconds
+        self._share_shadow_lookups(sibling)
         return sibling
 
     def close(self) -> None:
@@ -163,6 +163,12 @@ class ClickHouseTarget(SqlTarget):
     def _table_exists(self, names: TableNames, name: str) -> bool:
         # From the database's metadata: several times faster than a query of system.columns.
         return bool(int(self._execute(names, "looking for a table", f"EXISTS TABLE {names.qualified(name)}")))
+
+    def _listed_shadows(self, names: TableNames) -> set[str] | None:
+        rows = self._fetch(names, "looking for resync tables",
+                           "SELECT name FROM system.tables WHERE database = {db:String} AND endsWith(name, {s:String})",
+                           {"db": self.database, "s": SHADOW_SUFFIX})
+        return {name for (name,) in rows}
 
     # -- schema changes --------------------------------------------------------------------------
 

@@ -80,7 +80,7 @@ class SqlTarget(ABC):
     # write looks). A resync waits longer than this between creating the shadow and reading its
     # first range (siphon_dagster.resync), so a write the shadow needs always finds it.
     shadow_lookup_seconds = 0.0
-    _shadows_seen: dict[str, tuple[float, bool]] | None = None  # shadow name -> (looked up at, exists)
+    _shadows_seen: ShadowLookups | None = None  # shared with the target's siblings
 
     @property
     def name(self) -> str:
@@ -137,8 +137,15 @@ class SqlTarget(ABC):
         """A target of the same configuration for another table of a streaming run; a target
         whose connections can serve many tables at once shares them with its siblings."""
         sibling = type(self)(self.config)  # type: ignore[call-arg, attr-defined]
-        sibling.shadow_lookup_seconds = self.shadow_lookup_seconds
+        self._share_shadow_lookups(sibling)
         return sibling
+
+    def _share_shadow_lookups(self, sibling: SqlTarget) -> None:
+        """Siblings trust the same look-ups of resync tables for `shadow_lookup_seconds`."""
+        sibling.shadow_lookup_seconds = self.shadow_lookup_seconds
+        if self._shadows_seen is None:
+            self._shadows_seen = ShadowLookups()
+        sibling._shadows_seen = self._shadows_seen
 
     def _connect(self) -> Any:
         """The connection, opened on first use."""
@@ -227,18 +234,20 @@ class SqlTarget(ABC):
     def _stream_shadow_exists(self, names: TableNames) -> bool:
         """`_shadow_exists`, trusted for `shadow_lookup_seconds`: a stream write looks it up at most
         that often per table. The time is taken before the lookup, so an answer is never older
-        than it says; a write to a shadow gone since is skipped by `_write_each`."""
+        than it says; a write to a shadow gone since is skipped by `_write_each`. A target that
+        can list its resync tables in one statement (`_listed_shadows`) answers every sibling's
+        tables with that one statement: a run of 200 tables otherwise sent 20 look-ups a second."""
         if self.shadow_lookup_seconds <= 0:
             return self._shadow_exists(names)
-        seen = self._shadows_seen if self._shadows_seen is not None else {}
-        self._shadows_seen = seen
-        now = time.monotonic()
-        looked = seen.get(names.shadow)
-        if looked is not None and now - looked[0] < self.shadow_lookup_seconds:
-            return looked[1]
-        exists = self._shadow_exists(names)
-        seen[names.shadow] = (now, exists)
-        return exists
+        if self._shadows_seen is None:
+            self._shadows_seen = ShadowLookups()
+        return self._shadows_seen.exists(names.bare("shadow"), self.shadow_lookup_seconds,
+                                         lambda: self._shadow_exists(names), lambda: self._listed_shadows(names))
+
+    def _listed_shadows(self, names: TableNames) -> set[str] | None:
+        """The bare names of every resync table in the table's namespace, or None when the target
+        looks each one up on its own."""
+        return None
 
     def _write_each(self, names: TableNames, targets: Sequence[str], write: Callable[[str], object]) -> None:
         for target in targets:
@@ -249,7 +258,7 @@ class SqlTarget(ABC):
                 # up: the live write that follows reaches the table that is live now.
                 if target == names.shadow and not self._shadow_exists(names):
                     if self._shadows_seen is not None:
-                        self._shadows_seen[names.shadow] = (time.monotonic(), False)
+                        self._shadows_seen.gone(names.bare("shadow"))
                     continue
                 raise
 
@@ -402,3 +411,39 @@ class SqlTarget(ABC):
     def drop_shadow(self, table: TableSchema) -> None:
         names = self._names(table)
         self._execute(names, "dropping the resync table", f"DROP TABLE IF EXISTS {names.shadow}")
+
+
+class ShadowLookups:
+    """What a target and its siblings last learnt of their resync tables, and when: one listing
+    of every resync table of the namespace when the target can list them, else one answer per
+    table. Used by a run's apply threads at once: each step is one dictionary or attribute
+    operation, and two threads looking up at the same moment only look up twice."""
+
+    def __init__(self) -> None:
+        self._listing: tuple[float, frozenset[str]] | None = None
+        self._each: dict[str, tuple[float, bool]] = {}
+
+    def exists(self, shadow: str, trust_seconds: float, look_up: Callable[[], bool],
+               list_all: Callable[[], set[str] | None]) -> bool:
+        now = time.monotonic()
+        listing = self._listing
+        if listing is not None and now - listing[0] < trust_seconds:
+            return shadow in listing[1]
+        looked = self._each.get(shadow)
+        if looked is not None and now - looked[0] < trust_seconds:
+            return looked[1]
+        listed = list_all()
+        if listed is not None:
+            self._listing = (now, frozenset(listed))
+            return shadow in listed
+        exists = look_up()
+        self._each[shadow] = (now, exists)
+        return exists
+
+    def gone(self, shadow: str) -> None:
+        """`shadow` was found gone: no write goes to it until it is looked up again."""
+        now = time.monotonic()
+        listing = self._listing
+        if listing is not None:
+            self._listing = (listing[0], listing[1] - {shadow})
+        self._each[shadow] = (now, False)

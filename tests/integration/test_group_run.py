@@ -4,6 +4,7 @@ small batch against Spark's."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import dagster as dg
@@ -13,7 +14,7 @@ from pyspark.sql import SparkSession
 from siphon_core.config import StreamingConfig, TableConfig, parse_config
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.streaming.consumer import StreamConsumer
-from siphon_dagster.streaming.group_run import GroupRunner, TableFailure
+from siphon_dagster.streaming.group_run import SWITCH_INTERVAL_SECONDS, GroupRunner, TableFailure
 from siphon_dagster.streaming.report import BatchReport
 from siphon_dagster.streaming.schema import table_schema
 from siphon_dagster.streaming.spark_session import get_spark_session
@@ -109,8 +110,10 @@ def test_a_failed_table_is_started_again_with_backoff_while_the_others_stream(re
     reports: list[BatchReport] = []
     targets = {}
     shared = resources["queue"].queue()
+    intervals: set[float] = set()
 
     def make_consumer(table: TableConfig) -> StreamConsumer:
+        intervals.add(sys.getswitchinterval())
         target = targets.setdefault(table.name, resources["clickhouse_target"].open_target())
         made = StreamConsumer(shared, target, table, lambda: pytest.fail("no Spark for small batches"),
                               config.streaming, source=None)
@@ -130,11 +133,14 @@ def test_a_failed_table_is_started_again_with_backoff_while_the_others_stream(re
 
     watcher = threading.Thread(target=stop_when_seen, daemon=True)
     watcher.start()
+    before = sys.getswitchinterval()
     try:
         summary = runner.run()
     finally:
         done.set()
     assert {f.table for f in failures} == {"public.bad"}
+    # The run's threads take turns at a short switch interval, and the process gets its own back.
+    assert intervals == {SWITCH_INTERVAL_SECONDS} and sys.getswitchinterval() == before
     assert [f.attempt for f in failures[:3]] == [1, 2, 3] and all(f.retry_in_seconds for f in failures)
     assert summary.tables["public.notes"].events == 12
     assert targets["public.notes"].current_rows_as_text(notes_schema()) == STORY_ROWS

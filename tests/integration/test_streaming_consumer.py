@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -407,4 +408,42 @@ def test_a_batch_slower_than_the_ack_wait_is_not_delivered_again(request: pytest
         assert summary.events == 21 and first_sequences == sorted(set(first_sequences)), first_sequences
     else:
         assert summary.events > 21, f"JetStream redelivers what the ack wait let run out: {first_sequences}"
+    target.close()
+
+
+def test_a_group_runs_batch_takes_at_once_what_already_waits(request: pytest.FixtureRequest, nats_url: str,
+                                                              spark: SparkSession, unique_name: str) -> None:
+    # Messages already behind the first one: the batch takes them without gathering (a batch wait
+    # longer than the test's timeout would otherwise hold it up).
+    target = make_target(request, "clickhouse", unique_name)
+    publish(nats_url, unique_name, STORY)
+    run = consumer(nats_url, unique_name, target, spark)
+    run.pipelined = False
+    run.idle_pull_seconds = 5.0
+    run.batch_wait = lambda: 600.0
+    reports: list[BatchReport] = []
+    run.run(max_batches=2, on_batch=reports.append)
+    assert [r.messages for r in reports] == [3, 3]  # FAST cuts batches at 3 messages
+    assert target.current_rows_as_text(notes_schema()) == STORY_ROWS
+    target.close()
+
+
+def test_a_group_runs_batch_gathers_what_arrives_after_its_first_message(
+        request: pytest.FixtureRequest, nats_url: str, spark: SparkSession, unique_name: str) -> None:
+    target = make_target(request, "clickhouse", unique_name)
+    publish(nats_url, unique_name, STORY[:1])
+    run = consumer(nats_url, unique_name, target, spark)
+    run.pipelined = False
+    run.idle_pull_seconds = 30.0
+    run.batch_wait = lambda: 4.0
+    reports: list[BatchReport] = []
+    worker = threading.Thread(target=run.run, kwargs={"max_batches": 1, "on_batch": reports.append})
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not run._unacked and time.monotonic() < deadline:  # the first message is pulled: the batch gathers
+        time.sleep(0.05)
+    publish(nats_url, unique_name, STORY[1:3])
+    worker.join(60)
+    assert not worker.is_alive()
+    assert [r.messages for r in reports] == [3]
     target.close()

@@ -5,6 +5,8 @@ server's settings, put in force only when a request's differ from what is in for
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -16,6 +18,7 @@ from siphon_dagster.targets import sql_target
 from siphon_dagster.targets.base import SourceColumn, TableSchema, change_batch_schema
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
 from siphon_dagster.targets.snowflake import SnowflakeTarget
+from siphon_dagster.targets.sql_target import ShadowLookups
 from siphon_stack.clickhouse.engine import Connection
 
 ITEMS = TableSchema("public", "items", (
@@ -43,6 +46,10 @@ class RecordingClickHouse(ClickHouseTarget):
     def _table_exists(self, names, name):  # noqa: ANN001, ANN202
         self.lookups += 1
         return self.shadow
+
+    def _listed_shadows(self, names):  # noqa: ANN001, ANN202
+        self.lookups += 1
+        return {names.bare("shadow")} if self.shadow else set()
 
     def _write_batch(self, names, rows, targets):  # noqa: ANN001, ANN202
         self.written.append(",".join(targets))
@@ -192,3 +199,35 @@ def test_the_embedded_server_sets_only_settings_that_differ_from_those_in_force(
     connection.finish("SET")
     connection.prepare(None, batch_settings, "INSERT")
     assert [s for s in raw.statements if s.startswith("SET")] == ["SET max_threads = '2', optimize_on_insert = '0'"]
+
+
+def test_siblings_answer_every_tables_resync_lookup_with_one_listing() -> None:
+    lookups = ShadowLookups()
+    listings: list[int] = []
+
+    def list_all() -> set[str]:
+        listings.append(1)
+        return {"public__b__resync"}
+
+    def one_by_one() -> bool:
+        raise AssertionError("a target that lists its resync tables never looks one up")
+
+    answers = [lookups.exists(f"public__{t}__resync", 60.0, one_by_one, list_all) for t in "abcab"]
+    assert answers == [False, True, False, False, True] and len(listings) == 1
+    lookups.gone("public__b__resync")  # a write found it dropped
+    assert not lookups.exists("public__b__resync", 60.0, one_by_one, list_all) and len(listings) == 1
+    time.sleep(0.02)
+    assert lookups.exists("public__b__resync", 0.01, one_by_one, list_all) and len(listings) == 2
+
+
+def test_a_target_that_cannot_list_looks_up_each_table_once_per_interval() -> None:
+    lookups = ShadowLookups()
+    asked: list[str] = []
+
+    def look_up(name: str) -> Callable[[], bool]:
+        return lambda: asked.append(name) or name == "b"
+
+    answers = [lookups.exists(t, 60.0, look_up(t), lambda: None) for t in "abab"]
+    assert answers == [False, True, False, True] and asked == ["a", "b"]
+    lookups.gone("b")
+    assert not lookups.exists("b", 60.0, look_up("b"), lambda: None) and asked == ["a", "b"]
