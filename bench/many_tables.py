@@ -1,7 +1,7 @@
 """Many tables: 200 tables of mixed shapes streamed by `dagster dev`, as a user runs it.
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
-                                [--batch-wait-seconds 1.0] [--max-batches-per-second 50]
+                                [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
@@ -24,6 +24,8 @@ Figures:
   worker, its Spark JVM and Python workers if started). Shared pages are counted in each process.
 - rows_differing: at the end, once the producer confirmed the end of the WAL and the runs
   drained, every table's rows (PostgreSQL's text of every column) against the `_current` view.
+With --groups N the tables are dealt over N streaming runs (`streaming.groups`); the batch figures
+(batches/s, phases) are then those of the one run that serves /metrics.
 Ends with one JSON line.
 """
 
@@ -129,7 +131,10 @@ def create_tables(dsn: str, names: list[str]) -> None:
 
 def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
                  run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float,
-                 driver_decode_max_bytes: int | None = None) -> None:
+                 driver_decode_max_bytes: int | None = None, groups: int = 1) -> None:
+    # Groups beyond the first take every groups-th table (a share of the hot and the quiet ones
+    # each); the first group is the run of the tables no group names.
+    named = {f"part{g}": [f"public.{name}" for name in names[g::groups]] for g in range(1, groups)}
     path.write_text(yaml.safe_dump({
         "application_identifier": APPLICATION,
         "source": {"dsn": dsn},
@@ -139,7 +144,7 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE}},
         "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60,
                       "max_batches_per_second": max_batches_per_second, "metrics_port": run_metrics_port,
-                      "driver_decode_max_bytes": driver_decode_max_bytes},
+                      "driver_decode_max_bytes": driver_decode_max_bytes, **({"groups": named} if named else {})},
         # The tables are created empty before the producer starts, so their streams hold every row
         # and there is nothing to snapshot (bench/snapshot.py measures loads); the hourly checks
         # would land in the measured minutes only when they cross an hour.
@@ -461,6 +466,8 @@ def main() -> int:
                         help="streaming.batch_max_wait_seconds: how long a batch collects after its first message")
     parser.add_argument("--max-batches-per-second", type=float, default=50.0,
                         help="streaming.max_batches_per_second: the run's budget of batches over all tables")
+    parser.add_argument("--groups", type=int, default=1,
+                        help="streaming runs (streaming.groups): the tables dealt round-robin over this many runs")
     parser.add_argument("--driver-decode-max-bytes", type=int, default=None,
                         help="streaming.driver_decode_max_bytes (default: unset, every batch of a group run in its process)")
     args = parser.parse_args()
@@ -473,7 +480,7 @@ def main() -> int:
         metrics_port = free_port()
         run_metrics_port = free_port()
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
-                     args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes)
+                     args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups)
         create_tables(stack.dsn, names)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
