@@ -116,22 +116,43 @@ class GroupRunner:
             self._stopped.set()
         summary = GroupSummary()
         self._reporter = ThreadPoolExecutor(1, thread_name_prefix="siphon-report")
+        interrupted = False
         try:
             await self.queue.connect()
             try:
                 await self.queue.ensure_stream()
                 ticker = asyncio.create_task(self._tick()) if self.tick is not None else None
+                tables = [asyncio.create_task(self._serve(table, stop_when_drained, summary)) for table in self.tables]
                 try:
-                    await asyncio.gather(*(self._serve(table, stop_when_drained, summary) for table in self.tables))
+                    await asyncio.gather(*tables)
                 finally:
                     if ticker is not None:
                         ticker.cancel()
+                    await self._end(tables)
             finally:
                 await self.queue.close()
+        except BaseException as error:
+            # An interrupt (Dagster terminating the run, Ctrl-C) is not an Exception.
+            interrupted = not isinstance(error, Exception)
+            raise
         finally:
             self._cpu_executor.shutdown(wait=True)
-            self._reporter.shutdown(wait=True)  # every report is written before the run returns
+            # Every report is written before the run returns, unless it was interrupted: a run that
+            # caught up on a backlog may have minutes of Dagster events queued, and the batches they
+            # describe are applied and acked already.
+            self._reporter.shutdown(wait=True, cancel_futures=interrupted)
         return summary
+
+    async def _end(self, tables: list[asyncio.Task[None]]) -> None:
+        """Ends every table's task before the run's connection closes. When one table's task
+        raised something no table catches (an interrupt raised in its frame), the others would
+        otherwise go on, see the connection close under them and retry against it."""
+        self.stop()
+        pending = [task for task in tables if not task.done()]
+        for task in pending:
+            task.cancel()  # a batch being written is still written and acked (StreamConsumer._loop)
+        if pending:
+            await asyncio.wait(pending)
 
     def _report(self, callback: Callable[..., None], *args: object) -> None:
         def run() -> None:
@@ -141,7 +162,10 @@ class GroupRunner:
                 _log.warning("report failed", error=str(error))
 
         assert self._reporter is not None
-        self._reporter.submit(run)
+        try:
+            self._reporter.submit(run)
+        except RuntimeError:  # the run is ending and its reports are closed
+            _log.debug("report dropped: the run is ending")
 
     async def _serve(self, table: TableConfig, stop_when_drained: bool, summary: GroupSummary) -> None:
         """One table's consumer, started again after a failure with exponential backoff; with

@@ -4,6 +4,7 @@ small batch against Spark's."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 
@@ -145,4 +146,58 @@ def test_a_failed_table_is_started_again_with_backoff_while_the_others_stream(re
     assert summary.tables["public.notes"].events == 12
     assert targets["public.notes"].current_rows_as_text(notes_schema()) == STORY_ROWS
     for target in targets.values():
+        target.close()
+
+
+class _Interrupt(BaseException):
+    """What Dagster raises in a run it terminates (DagsterExecutionInterruptedError): no Exception."""
+
+
+class _InterruptOnWrite:
+    """A real target whose first write raises an interrupt, as a terminated run's signal handler does
+    in whatever frame the run is in."""
+
+    def __init__(self, inner, writes_before: int) -> None:  # noqa: ANN001
+        self.inner = inner
+        self.writes_left = writes_before
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+    def apply_rows(self, table, rows):  # noqa: ANN001, ANN201
+        if self.writes_left == 0:
+            raise _Interrupt()
+        self.writes_left -= 1
+        return self.inner.apply_rows(table, rows)
+
+
+def test_an_interrupt_in_one_table_ends_every_table_before_the_connection_closes(
+        request, nats_url, postgres_dsn, clickhouse_url, unique_name, caplog):
+    names = [f"t{i}" for i in range(6)]
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
+    for name in names:  # a backlog: every table is busy pulling, writing and acking when the interrupt comes
+        publish(nats_url, unique_name, [package([insert(0x300 + i, str(i), f"{name} {i}", str(i))], table=name)
+                                        for i in range(60)], table=name)
+    resources = build_resources(config)
+    shared = resources["queue"].queue()
+    opened = []
+    failures: list[TableFailure] = []
+
+    def make_consumer(table: TableConfig) -> StreamConsumer:
+        opened.append(resources["clickhouse_target"].open_target())
+        target = _InterruptOnWrite(opened[-1], writes_before=3) if table.name == "public.t3" else opened[-1]
+        made = StreamConsumer(shared, target, table, lambda: pytest.fail("no Spark for small batches"),
+                              StreamingConfig(batch_max_messages=2, batch_max_wait_seconds=0.3), source=None)
+        made.idle_pull_seconds = 30.0
+        made.pipelined = False
+        return made
+
+    runner = GroupRunner(shared, list(config.tables), make_consumer, lambda report: None, failures.append)
+    with caplog.at_level(logging.ERROR, logger="asyncio"), pytest.raises(_Interrupt):
+        runner.run()
+    # Every other table ended with the run: none went on to fail against the closed connection,
+    # and no table's task was left to fail on its own.
+    assert failures == []
+    assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage()[:300] for r in caplog.records]
+    for target in opened:
         target.close()
