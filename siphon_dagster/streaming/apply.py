@@ -20,7 +20,7 @@ from pyspark.sql import SparkSession
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_dagster.streaming import spark_session
 from siphon_dagster.streaming.batch import ReceivedPackage
-from siphon_dagster.streaming.decode import DecodeSpec, value_column
+from siphon_dagster.streaming.decode import DecodeSpec, LocatedChanges, value_column
 from siphon_dagster.streaming.schema import SchemaTracker
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.spark_plan import (
@@ -58,6 +58,8 @@ class PreparedBatch:
     seconds: dict[str, float]
     early: bool = False  # prepared while the batch before was written
     in_driver: bool = False  # decoded and folded in this process (a small batch), not by Spark tasks
+    # The driver's decoded changes before the fold, when it kept them: the TOAST fill's history.
+    located: list[LocatedChanges] | None = None
 
 
 class BatchApplier:
@@ -128,14 +130,16 @@ class BatchApplier:
         truncated_at = max(truncates) if truncates else None
         started = time.perf_counter()
         in_driver = self.decodes_in_driver(packages)
+        located = None
         if in_driver:
-            pieces = folded_pieces_in_driver(packages, spec, truncated_at)
+            pieces, located = folded_pieces_in_driver(packages, spec, truncated_at)
             seconds["decode"] = _lap(started)
         else:
             with self._session() as spark:
                 pieces = folded_pieces(spark, packages, spec, truncated_at)
             seconds["spark"] = _lap(started)
-        return PreparedBatch(packages, table, spec, pieces, truncated_at, seconds, in_driver=in_driver)
+        return PreparedBatch(packages, table, spec, pieces, truncated_at, seconds, in_driver=in_driver,
+                             located=located)
 
     def decodes_in_driver(self, packages: Sequence[ReceivedPackage]) -> bool:
         return sum(len(p.payload) for p in packages) <= self.driver_decode_max_bytes
@@ -153,7 +157,7 @@ class BatchApplier:
 
         def history(keys: Sequence[bytes], positions: Sequence[int]) -> pa.Table:
             if prepared.in_driver:
-                return key_history_in_driver(packages, spec, keys, positions)
+                return key_history_in_driver(packages, spec, keys, positions, prepared.located)
             with self._session() as spark:
                 return key_history(spark, packages, spec, keys, positions)
 

@@ -10,6 +10,7 @@ schema step need, in one walk over the package that keeps nothing per event
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from siphon_core import naming
@@ -40,14 +41,45 @@ class ReceivedPackage:
     newest_commit_time_us: int
     operations: Counter[str]
     truncated_at: int | None  # version of its last TRUNCATE
+    # What the schema step compares (`column_fingerprint`), read once here, on the thread that
+    # reads the package: the event loop would otherwise read every column of every package.
+    fingerprint: Fingerprint = ()
 
     @property
     def sequence(self) -> int:
         return self.sequences[-1]
 
 
+Fingerprint = tuple[tuple[str, int, int, bool], ...]
+
+
+def column_fingerprint(columns: Sequence[pb.Column]) -> Fingerprint:
+    """What makes two column lists the same list to the target: names, types and the key."""
+    return tuple((c.name, c.type_oid, c.type_modifier, c.primary_key) for c in columns)
+
+
+class _ColumnCache:
+    """The column list of the package read last, detached, reused while packages repeat it: a
+    table's packages almost always carry the same list, and copying it out of every package (a
+    wide table has tens of columns) cost more than the rest of reading a small package."""
+
+    def __init__(self) -> None:
+        self._described: tuple[tuple[object, ...], ...] | None = None
+        self._columns: tuple[pb.Column, ...] = ()
+        self._fingerprint: Fingerprint = ()
+
+    def columns(self, package: pb.Package) -> tuple[tuple[pb.Column, ...], Fingerprint]:
+        described = tuple((c.name, c.type_oid, c.type_name, c.primary_key, c.type_modifier, c.nullable)
+                          for c in package.columns)
+        if described != self._described:
+            self._described = described
+            self._columns = tuple(_detached(c) for c in package.columns)
+            self._fingerprint = column_fingerprint(self._columns)
+        return self._columns, self._fingerprint
+
+
 def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes,
-             summary: PackageSummary | None = None) -> ReceivedPackage:
+             summary: PackageSummary | None = None, cache: _ColumnCache | None = None) -> ReceivedPackage:
     """What the driver needs of a package; `summary` is its events' summary when it was read with
     it (`event_columns.summarize_package`)."""
     if summary is None:
@@ -58,8 +90,9 @@ def describe(package: pb.Package, sequences: tuple[int, ...], payload: bytes,
     truncated_at = naming.row_version(*summary.last_truncate) if summary.last_truncate is not None else None
     # Events are in commit order: the first and the last carry the oldest and newest commit times.
     first_time, last_time = summary.first_commit_time_us, summary.last_commit_time_us
+    columns, fingerprint = (cache or _ColumnCache()).columns(package)
     return ReceivedPackage(
-        sequences=sequences, payload=payload, columns=tuple(_detached(c) for c in package.columns),
+        sequences=sequences, payload=payload, columns=columns, fingerprint=fingerprint,
         first_commit_lsn=package.first_commit_lsn or summary.first_commit_lsn,
         last_commit_lsn=package.last_commit_lsn or summary.last_commit_lsn,
         oldest_commit_time_us=min(first_time, last_time), newest_commit_time_us=max(first_time, last_time),
@@ -122,6 +155,7 @@ class PackageAssembler:
     _reassembler: ChunkReassembler = field(default_factory=ChunkReassembler)
     _slices: list[int] = field(default_factory=list)  # stream sequences of the sliced event in progress
     _abandoned: list[int] = field(default_factory=list)
+    _columns: _ColumnCache = field(default_factory=_ColumnCache)
 
     def accept(self, sequence: int, data: bytes) -> ReceivedPackage | None:
         """Raises siphon_core.wire.packages.PackageError for a message that is not a package."""
@@ -129,7 +163,7 @@ class PackageAssembler:
         package, summary = summarize_package(decompress_package(data, where, self.max_package_bytes), where)
         check_package(package, summary, self.schema, self.table, where)
         if not package.HasField("chunk"):
-            return describe(package, (sequence,), data, summary)
+            return describe(package, (sequence,), data, summary, self._columns)
         if package.chunk.index != len(self._slices):
             # A resent event starts again at slice 0 and supersedes the partial one (as the
             # reassembler does); a slice out of place is dropped with it.
@@ -143,7 +177,7 @@ class PackageAssembler:
         if whole is None:
             return None
         sequences, self._slices = tuple(self._slices), []
-        return describe(whole, sequences, encode_package(whole))
+        return describe(whole, sequences, encode_package(whole), cache=self._columns)
 
     @property
     def held_sequences(self) -> tuple[int, ...]:

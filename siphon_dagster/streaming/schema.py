@@ -23,14 +23,11 @@ from siphon_core import naming
 from siphon_core.logs import get_logger
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_dagster.source import ExistingRowsValue, backfill
-from siphon_dagster.streaming.batch import ReceivedPackage
+from siphon_dagster.streaming.batch import Fingerprint, ReceivedPackage, column_fingerprint
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.targets.base import SourceColumn, TableSchema, Target
 
 _log = get_logger("streaming.schema")
-
-Fingerprint = tuple[tuple[str, int, int, bool], ...]
-
 
 class SchemaChangeError(RuntimeError):
     """The source table changed in a way this table's stream cannot follow; the message says how."""
@@ -52,10 +49,6 @@ def table_schema(schema: str, table: str, columns: Sequence[pb.Column],
                      element_type_oid=categories.get(c.type_oid, ("", 0))[1])
         for c in columns
     ))
-
-
-def fingerprint(columns: Sequence[pb.Column]) -> Fingerprint:
-    return tuple((c.name, c.type_oid, c.type_modifier, c.primary_key) for c in columns)
 
 
 def primary_key(columns: Sequence[pb.Column]) -> tuple[str, ...]:
@@ -93,9 +86,10 @@ class SchemaTracker:
             return self._schema(applied.columns)  # a replay of older packages: keep the newer list
         columns = newest.columns
         table = self._schema(columns)
-        if applied is None or fingerprint(columns) != applied.fingerprint:
+        fingerprint = newest.fingerprint or column_fingerprint(columns)
+        if applied is None or fingerprint != applied.fingerprint:
             self._ensure(table, applied, newest)
-        self._applied = _Applied(newest.last_commit_lsn, columns, fingerprint(columns))
+        self._applied = _Applied(newest.last_commit_lsn, columns, fingerprint)
         return table
 
     def is_current(self, packages: Sequence[ReceivedPackage]) -> bool:
@@ -104,7 +98,7 @@ class SchemaTracker:
         applied = self._applied
         if applied is None or not packages:
             return False
-        return all(fingerprint(p.columns) == applied.fingerprint for p in packages)
+        return all((p.fingerprint or column_fingerprint(p.columns)) == applied.fingerprint for p in packages)
 
     def take_warnings(self) -> list[str]:
         """What the batches resolved since the last call need an operator for (then forgotten)."""

@@ -50,6 +50,7 @@ from siphon_dagster.streaming.decode import (
     INPUT_FILE_SCHEMA,
     INPUT_SCHEMA,
     DecodeSpec,
+    LocatedChanges,
     PackageDecoder,
     folded_schema,
     locate_changes,
@@ -62,6 +63,10 @@ PACKAGES_FILE = "packages"  # in a job's result directory: the payloads of its p
 # Decoded changes a decode task folds and hands on at once; the merge still meets every change of
 # a key, whatever the number of pieces.
 DECODED_BYTES_PER_FLUSH = 128 << 20
+# A batch decoded in the driver keeps its decoded changes up to this size for the TOAST fill, which
+# would otherwise decode the whole batch a second time to find the earlier changes of a few keys
+# (every UPDATE that leaves a TOASTed value unchanged asks for them). A larger batch decodes again.
+HISTORY_KEPT_BYTES = 32 << 20
 # Values compress several times over; Spark then copies and hands back far fewer bytes. A file
 # handed on by name is mapped by the driver as it is: not compressed, nothing to undo.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
@@ -80,19 +85,26 @@ def folded_pieces(spark: SparkSession, packages: Sequence[ReceivedPackage], spec
 
 
 def folded_pieces_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpec,
-                            truncated_at: int | None) -> list[pa.Table]:
+                            truncated_at: int | None) -> tuple[list[pa.Table], list[LocatedChanges] | None]:
     """`folded_pieces` without Spark: the decode stage the tasks run, called in this process on one
     slice of every package. For small batches, where a Spark job's scheduling (tens of
-    milliseconds) would cost more than the decoding."""
-    stage = DecodeStage(spec, truncated_at, in_driver=True)
-    return list(stage.tables(iter(package_rows(packages, None).to_batches())))
+    milliseconds) would cost more than the decoding. Also returns the decoded changes before the
+    fold when they are at most `HISTORY_KEPT_BYTES` (else None): `key_history_in_driver` reads a
+    key's history out of them instead of decoding the batch again."""
+    stage = DecodeStage(spec, truncated_at, in_driver=True, keep_located_bytes=HISTORY_KEPT_BYTES)
+    pieces = list(stage.tables(iter(package_rows(packages, None).to_batches())))
+    return pieces, stage.located
 
 
 def key_history_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpec, keys: Sequence[bytes],
-                          positions: Sequence[int]) -> pa.Table:
-    """`key_history` without Spark, for the batches `folded_pieces_in_driver` decoded."""
+                          positions: Sequence[int], located: Sequence[LocatedChanges] | None = None) -> pa.Table:
+    """`key_history` without Spark, for the batches `folded_pieces_in_driver` decoded; from
+    `located`, that decode's changes, when it kept them."""
     stage = DecodeStage(spec, None, keys=frozenset(keys), positions=tuple(positions), in_driver=True)
-    pieces = list(stage.tables(iter(package_rows(packages, None).to_batches())))
+    if located is not None:
+        pieces = [stage.history(changes) for changes in located]
+    else:
+        pieces = list(stage.tables(iter(package_rows(packages, None).to_batches())))
     return pa.concat_tables(pieces) if pieces else folded_schema(len(spec.columns), positions).empty_table()
 
 
@@ -141,13 +153,18 @@ class DecodeStage:
 
     def __init__(self, spec: DecodeSpec, truncated_at: int | None, keys: frozenset[bytes] | None = None,
                  positions: tuple[int, ...] | None = None, directory: str | None = None,
-                 in_driver: bool = False) -> None:
+                 in_driver: bool = False, keep_located_bytes: int = 0) -> None:
         self.spec = spec
         self.in_driver = in_driver  # called by the run's own process: not a Python worker's heap to freeze
         self.truncated_at = truncated_at
         self.keys = keys  # history: only these keys, nothing folded, values at `positions`
         self.positions = positions
         self.directory = directory
+        # The decoded changes of every flush, kept while they hold at most `keep_located_bytes`
+        # (None once they hold more, or when nothing is kept).
+        self.keep_located_bytes = keep_located_bytes
+        self.located: list[LocatedChanges] | None = [] if keep_located_bytes > 0 else None
+        self._located_bytes = 0
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for rows in self.tables(batches):
@@ -191,11 +208,25 @@ class DecodeStage:
     def _flush(self, parts: list[pa.RecordBatch]) -> pa.Table:
         decoded = locate_changes(parts, self.spec)
         if self.keys is not None:
-            wanted = pc.is_in(decoded.changes.column("_key"), value_set=pa.array(sorted(self.keys), pa.binary()))
-            rows = decoded.take(np.flatnonzero(wanted.to_numpy(zero_copy_only=False)), self.positions)
-            return with_version(rows)
+            return self.history(decoded)
+        self._keep(decoded, sum(part.nbytes for part in parts))
         latest = np.sort(latest_indices(decoded.changes, self.truncated_at))  # rows read in buffer order
         return decoded.take(latest)
+
+    def history(self, decoded: LocatedChanges) -> pa.Table:
+        """Every change of `keys` among `decoded`, unfolded, with the values at `positions`."""
+        assert self.keys is not None
+        wanted = pc.is_in(decoded.changes.column("_key"), value_set=pa.array(sorted(self.keys), pa.binary()))
+        return with_version(decoded.take(np.flatnonzero(wanted.to_numpy(zero_copy_only=False)), self.positions))
+
+    def _keep(self, decoded: LocatedChanges, size: int) -> None:
+        if self.located is None:
+            return
+        self._located_bytes += size
+        if self._located_bytes > self.keep_located_bytes:
+            self.located = None
+            return
+        self.located.append(decoded)
 
     def _result(self, rows: pa.Table) -> pa.RecordBatch:
         if self.directory is not None:

@@ -11,6 +11,7 @@ import pytest
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
+from siphon_core.wire.tuple_data import encode_tuple
 from siphon_dagster.streaming import spark_plan
 from siphon_dagster.streaming.batch import describe
 from siphon_dagster.streaming.decode import INPUT_FILE_SCHEMA, INPUT_SCHEMA, DecodeSpec, locate_changes
@@ -174,3 +175,36 @@ def test_merging_folded_pieces_keeps_the_newest_copy_of_each_key(overlap):
         assert row["_key"].decode() not in got, "a key survived twice"
         got[row["_key"].decode()] = ((row["_lsn"], row["_pos"]), row["c0"].decode())
     assert got == newest
+
+
+def _history_rows(table: pa.Table) -> list[tuple]:
+    return sorted((row["_key"], row["_version"], tuple(row["_unchanged"] or ()), row["c1"])
+                  for row in table.to_pylist())
+
+
+def test_the_toast_fill_reads_a_keys_history_from_the_kept_decode_as_from_a_new_one(monkeypatch):
+    packages, _ = _random_packages(seed=7)
+    received = [describe(p, (i + 1,), encode_package(p)) for i, p in enumerate(packages)]
+    keys = [encode_tuple([str(k).encode()]) for k in (1, 4, 9, 29)]
+
+    monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", 1)  # a flush per package: many kept pieces
+    pieces, located = spark_plan.folded_pieces_in_driver(received, SPEC, None)
+    assert located is not None and len(located) == len(received)
+    kept = spark_plan.key_history_in_driver(received, SPEC, keys, [1], located)
+    decoded_again = spark_plan.key_history_in_driver(received, SPEC, keys, [1])
+
+    assert kept.schema == decoded_again.schema
+    assert _history_rows(kept) == _history_rows(decoded_again)
+    assert {row["_key"] for row in kept.to_pylist()} == set(keys)  # every change of those keys, nothing else
+    assert spark_plan.merge_folded(pieces, len(SPEC.columns)).num_rows == 30
+
+
+def test_a_batch_decoding_to_more_than_the_kept_size_keeps_nothing(monkeypatch):
+    packages, _ = _random_packages(seed=8)
+    received = [describe(p, (i + 1,), encode_package(p)) for i, p in enumerate(packages)]
+    monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", 1)
+    monkeypatch.setattr(spark_plan, "HISTORY_KEPT_BYTES", 200)  # a few packages' worth
+
+    _, located = spark_plan.folded_pieces_in_driver(received, SPEC, None)
+
+    assert located is None

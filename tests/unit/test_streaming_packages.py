@@ -160,6 +160,27 @@ def test_whole_packages_pass_through_with_their_facts() -> None:
     assert (received.oldest_commit_time_us, received.newest_commit_time_us) == (BASE_TIME_US + 0x10, BASE_TIME_US + 0x12)
 
 
+def test_packages_repeating_a_column_list_share_it_and_any_change_is_seen() -> None:
+    assembler = PackageAssembler()
+    first = assembler.accept(1, encode_package(package([insert(0x10, "1", "a", "5")])))
+    second = assembler.accept(2, encode_package(package([insert(0x11, "2", "b", "6")])))
+    assert first is not None and second is not None
+    assert second.columns is first.columns  # read once, not copied out of every package
+    assert second.fingerprint == first.fingerprint == (("id", 20, -1, True), ("body", 25, -1, False),
+                                                       ("score", 23, -1, False))
+    # A change of any attribute is a new list, even one the fingerprint leaves out (nullable).
+    not_null = (*NOTES[:2], pb.Column(name="score", type_oid=23, type_name="integer", nullable=False,
+                                      type_modifier=-1))
+    third = assembler.accept(3, encode_package(package([insert(0x12, "3", "c", "7")], columns=not_null)))
+    assert third is not None and third.columns is not first.columns
+    assert [c.nullable for c in third.columns] == [False, True, False]
+    assert third.fingerprint == first.fingerprint
+    widened = (*NOTES[:2], column("score", 20, "bigint"))
+    fourth = assembler.accept(4, encode_package(package([insert(0x13, "4", "d", "8")], columns=widened)))
+    assert fourth is not None and fourth.fingerprint[2] == ("score", 20, -1, False)
+    assert [c.type_name for c in fourth.columns] == ["bigint", "text", "bigint"]
+
+
 def test_slices_of_a_large_event_become_one_package_after_the_last_slice() -> None:
     whole = package([insert(0x20, "1", "x" * 5000, "1")])
     slices = sliced(whole, 1500)
