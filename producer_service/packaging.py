@@ -37,6 +37,15 @@ class PackageLimits:
     max_message_bytes: int  # the queue's hard limit for one message
     # How old a buffer must be before an idle moment of the source cuts it (see `flush_idle`).
     idle_min_age_seconds: float = 0.0
+    # Idle cuts over all tables, per second: with more tables holding events than this budget
+    # allows at `idle_min_age_seconds`, each buffer waits longer (up to `max_age_seconds`).
+    idle_packages_per_second: float | None = None
+
+    def idle_age(self, tables_waiting: int) -> float:
+        """How old a buffer must be before an idle moment cuts it, with `tables_waiting` buffers
+        holding events."""
+        spread = tables_waiting / self.idle_packages_per_second if self.idle_packages_per_second else 0.0
+        return min(self.max_age_seconds, max(self.idle_min_age_seconds, spread))
 
     @property
     def effective_max_bytes(self) -> int:
@@ -164,10 +173,12 @@ class Packager:
         """The source has nothing more right now: cuts the buffers of tables with nothing in flight
         that are at least `idle_min_age_seconds` old. A source that commits in bursts (many small
         transactions a second) is idle between them: without the minimum age each burst would cut
-        a package per table, and the queue and every consumer pay per package."""
-        opened_by = self._clock() - self._limits.idle_min_age_seconds
-        for relation_id, buffer in self._buffers.items():
-            if buffer.events and buffer.opened_at <= opened_by and table_is_idle(relation_id):
+        a package per table, and the queue and every consumer pay per package. With hundreds of
+        tables changing, the age grows so that idle cuts stay near `idle_packages_per_second`."""
+        waiting = [(relation_id, buffer) for relation_id, buffer in self._buffers.items() if buffer.events]
+        opened_by = self._clock() - self._limits.idle_age(len(waiting))
+        for relation_id, buffer in waiting:
+            if buffer.opened_at <= opened_by and table_is_idle(relation_id):
                 self.cut(buffer)
 
     def flush_all(self) -> None:

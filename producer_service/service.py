@@ -72,6 +72,7 @@ class ProducerService:
             max_age_seconds=config.producer.flush_interval_seconds,
             max_message_bytes=config.queue.max_message_bytes,
             idle_min_age_seconds=config.producer.idle_flush_min_age_seconds,
+            idle_packages_per_second=config.producer.idle_flush_packages_per_second,
         )
         self._packager = Packager(config.application_identifier, limits, self._submit,
                                   hold=self._tracker.hold, producer_version=PRODUCER_VERSION)

@@ -72,3 +72,24 @@ def test_idle_flush_waits_for_the_minimum_age():
     now[0] += 0.2
     packager.flush_idle(lambda relation_id: True)
     assert [p.event_count for p in out] == [2]
+
+
+def test_with_many_tables_waiting_each_waits_longer_so_idle_cuts_keep_to_their_budget():
+    out = []
+    now = [100.0]
+    limits = PackageLimits(1000, 10**6, 3, 10**6, idle_min_age_seconds=0.5, idle_packages_per_second=4)
+    packager = Packager("app", limits, out.append, clock=lambda: now[0])
+    tables = [relation(i) for i in range(1, 11)]
+    for position, table in enumerate(tables, start=1):
+        add(packager, table, position)
+    assert limits.idle_age(10) == 2.5  # 10 tables at 4 packages a second
+    now[0] += 2.4
+    packager.flush_idle(lambda relation_id: True)
+    assert out == []
+    now[0] += 0.2
+    packager.flush_idle(lambda relation_id: True)
+    assert sorted(p.relation_id for p in out) == list(range(1, 11))
+    # Few tables waiting: the minimum age; very many: never past the longest wait.
+    assert limits.idle_age(1) == 0.5
+    assert limits.idle_age(1000) == 3
+    assert PackageLimits(1000, 10**6, 3, 10**6, idle_min_age_seconds=0.5).idle_age(1000) == 0.5
