@@ -6,7 +6,6 @@ A target asset's partition is a block range; materializing it re-snapshots exact
 
 
 from collections.abc import Callable
-from typing import Any
 
 import dagster as dg
 
@@ -46,16 +45,15 @@ def build_source_asset(spec: TableSpec) -> dg.AssetSpec:
         key=spec.source_key,
         group_name=spec.group,
         description=f"PostgreSQL table {spec.qualified_name}, replicated by application "
-                    f"{spec.application_identifier}. Observed every minute: blocks, bytes, row estimate and "
-                    "the source's current LSN.",
+                    f"{spec.application_identifier}. Observed every 10 minutes, and when its column list "
+                    "changes: blocks, bytes, row estimate, columns and the source's current LSN.",
         kinds={"postgres"},
         tags=spec.tags,
     )
 
 
-def observe_source(spec: TableSpec, connection: Any) -> dg.AssetObservation:
-    size = source.table_size(connection, spec.table)
-    lsn = source.current_lsn(connection)
+def source_observation(spec: TableSpec, size: source.TableSize, lsn: int, table: TableSchema) -> dg.AssetObservation:
+    """The source table as the partitions sensor read it: its size, the source's LSN then, its columns."""
     return dg.AssetObservation(
         asset_key=spec.source_key,
         metadata={
@@ -63,7 +61,7 @@ def observe_source(spec: TableSpec, connection: Any) -> dg.AssetObservation:
             "bytes": dg.MetadataValue.int(size.bytes),
             "row_estimate": size.row_estimate,
             "current_lsn": naming.format_lsn(lsn),
-            "dagster/column_schema": column_schema_metadata(source.table_schema(connection, spec.table)),
+            "dagster/column_schema": column_schema_metadata(table),
         },
     )
 

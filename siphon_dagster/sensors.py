@@ -2,6 +2,7 @@
 
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from collections.abc import Callable
 import dagster as dg
 
 from siphon_dagster import source as source_db
-from siphon_dagster.assets import observe_source
+from siphon_dagster.assets import source_observation
 from siphon_dagster.partitions import missing_keys
 from siphon_dagster.resources import NatsResource, PostgresResource
 from siphon_dagster.run_liveness import IN_PROGRESS, SNAPSHOT_RUN_TAG, dead_run_reason
@@ -23,27 +24,47 @@ from siphon_dagster.stream_groups import (
     live_streaming_runs,
     served_tables,
 )
+from siphon_dagster.targets.base import TableSchema
+
+# A source table is observed again after this long, or at once when its column list changed: an
+# observation every minute of each of hundreds of tables kept the daemon and the code server busy
+# writing events nobody reads between two looks at the UI.
+SOURCE_OBSERVATION_SECONDS = 600.0
+OBSERVED_KEY = "_observed"  # in the cursor: table -> [when last observed, digest of its column list]
 
 
-def partition_requests(instance: dg.DagsterInstance, connection, specs: list[TableSpec],
-                       on_error: Callable[[source_db.SourceError], None] | None = None,
-                       ) -> tuple[list[dg.AddDynamicPartitionsRequest], dict[str, int]]:
-    """The ranges missing from the instance for each table, and each table's block count.
-
-    A table the source cannot serve (missing, or without a primary key: refused as the producer
-    refuses it) gets no partitions; with `on_error` it is reported there and holds back no other
-    table, without it the error is raised."""
-    requests = []
-    blocks: dict[str, int] = {}
+def read_tables(connection, specs: list[TableSpec],
+                on_error: Callable[[source_db.SourceError], None] | None = None,
+                ) -> dict[str, tuple[TableSchema, source_db.TableSize]]:
+    """Each table's columns and size, by qualified name. A table the source cannot serve (missing,
+    or without a primary key: refused as the producer refuses it) is left out; with `on_error` it
+    is reported there and holds back no other table, without it the error is raised."""
+    read: dict[str, tuple[TableSchema, source_db.TableSize]] = {}
     for spec in specs:
         try:
-            source_db.table_schema(connection, spec.table)  # refuses a table without a primary key
-            size = source_db.table_size(connection, spec.table)
+            table = source_db.table_schema(connection, spec.table)  # refuses a table without a primary key
+            read[spec.qualified_name] = (table, source_db.table_size(connection, spec.table))
         except source_db.SourceError as error:
             if on_error is None:
                 raise
             on_error(error)
+    return read
+
+
+def partition_requests(instance: dg.DagsterInstance, connection, specs: list[TableSpec],
+                       on_error: Callable[[source_db.SourceError], None] | None = None,
+                       read: dict[str, tuple[TableSchema, source_db.TableSize]] | None = None,
+                       ) -> tuple[list[dg.AddDynamicPartitionsRequest], dict[str, int]]:
+    """The ranges missing from the instance for each table, and each table's block count; `read`
+    is `read_tables` of the specs when the caller has it (else it is read here, see there)."""
+    if read is None:
+        read = read_tables(connection, specs, on_error)
+    requests = []
+    blocks: dict[str, int] = {}
+    for spec in specs:
+        if spec.qualified_name not in read:
             continue
+        size = read[spec.qualified_name][1]
         blocks[spec.qualified_name] = size.blocks
         existing = instance.get_dynamic_partitions(spec.partitions_def_name)
         keys = missing_keys(existing, size.blocks, spec.table.blocks_per_partition)
@@ -62,23 +83,37 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
                     "(size, row estimate, LSN). The cursor holds each table's block count at the last tick.",
     )
     def _partitions(context: dg.SensorEvaluationContext, source: PostgresResource) -> dg.SensorResult:
+        state = json.loads(context.cursor) if context.cursor else {}
+        observed: dict[str, list] = dict(state.get(OBSERVED_KEY, {}))
         with source.connect() as connection:
-            requests, blocks = partition_requests(context.instance, connection, specs,
-                                                  on_error=lambda error: context.log.error(str(error)))
-            observations = []
-            for spec in specs:
-                try:
-                    observations.append(observe_source(spec, connection))
-                except source_db.SourceError as error:  # one table's problem holds back no other table
-                    context.log.error(str(error))
-        fail_dead_snapshot_runs(context, time.time())
-        cursor = json.dumps(blocks, sort_keys=True)
+            # One table's problem holds back no other table.
+            read = read_tables(connection, specs, on_error=lambda error: context.log.error(str(error)))
+            requests, blocks = partition_requests(context.instance, connection, specs, read=read)
+            lsn = source_db.current_lsn(connection)
+        now = time.time()
+        observations = []
+        for spec in specs:
+            if spec.qualified_name not in read:
+                continue
+            table, size = read[spec.qualified_name]
+            digest = _columns_digest(table)
+            last = observed.get(spec.qualified_name)
+            if last is None or last[1] != digest or now - last[0] >= SOURCE_OBSERVATION_SECONDS:
+                observations.append(source_observation(spec, size, lsn, table))
+                observed[spec.qualified_name] = [now, digest]
+        fail_dead_snapshot_runs(context, now)
+        cursor = json.dumps({**blocks, OBSERVED_KEY: {name: observed[name] for name in blocks if name in observed}},
+                            sort_keys=True)
         added = sum(len(r.partition_keys) for r in requests)
         if added:
             context.log.info(f"adding {added} block-range partitions")
         return dg.SensorResult(dynamic_partitions_requests=requests, asset_events=observations, cursor=cursor)
 
     return _partitions
+
+
+def _columns_digest(table: TableSchema) -> str:
+    return hashlib.sha256(repr(table.columns).encode()).hexdigest()[:16]
 
 
 # Failures that ended longer ago than this are forgotten: a streak from an earlier session (runs

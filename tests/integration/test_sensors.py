@@ -16,7 +16,13 @@ from siphon_core import naming
 from siphon_core.config import parse_config
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, dead_run_reason, worker_identity
-from siphon_dagster.sensors import FAILURE_MEMORY_SECONDS, backoff_seconds, build_streaming_sensor
+from siphon_dagster.sensors import (
+    FAILURE_MEMORY_SECONDS,
+    OBSERVED_KEY,
+    SOURCE_OBSERVATION_SECONDS,
+    backoff_seconds,
+    build_streaming_sensor,
+)
 from siphon_dagster.specs import table_specs
 from siphon_dagster.stream_groups import stream_groups
 
@@ -66,7 +72,9 @@ def test_partitions_first_tick_adds_every_range_and_observes_the_source(config):
             blocks = connection.execute("select pg_relation_size(%s) / 8192",
                                         (f'"{spec.schema}".grows',)).fetchone()[0]
         assert len(keys) == -(-blocks // 4) and keys[0] == "00000000-00000003"
-        assert json.loads(result.cursor) == {spec.qualified_name: blocks}
+        cursor = json.loads(result.cursor)
+        assert cursor[spec.qualified_name] == blocks
+        assert set(cursor[OBSERVED_KEY]) == {spec.qualified_name}
         observation = result.asset_events[0]
         assert observation.asset_key == spec.source_key
         assert observation.metadata["blocks"].value == blocks
@@ -81,6 +89,34 @@ def test_partitions_tick_with_nothing_new_requests_nothing(config):
         assert second.dynamic_partitions_requests == []
         assert second.cursor == first.cursor
         assert len(instance.get_dynamic_partitions(spec.partitions_def_name)) > 0
+
+
+def test_a_source_table_is_observed_again_when_its_columns_change_or_its_observation_is_old(config):
+    defs = build_definitions(config)
+    spec = table_specs(config)[0]
+    with dg.instance_for_test() as instance:
+        first = tick_and_add_partitions(defs, config, instance)
+        assert [o.asset_key for o in first.asset_events] == [spec.source_key]
+        again = tick(defs, config, instance, "_partitions", cursor=first.cursor)
+        assert again.asset_events == []  # observed a moment ago, nothing changed
+        with psycopg.connect(config.source.dsn, autocommit=True) as connection:
+            connection.execute(sql.SQL("alter table {} add column observed_note text").format(
+                sql.Identifier(spec.schema, "grows")))
+        try:
+            changed = tick(defs, config, instance, "_partitions", cursor=again.cursor)
+            assert [o.asset_key for o in changed.asset_events] == [spec.source_key]
+            columns = changed.asset_events[0].metadata["dagster/column_schema"].value.columns
+            assert "observed_note" in [column.name for column in columns]
+            # An observation older than the interval is made again, columns unchanged.
+            cursor = json.loads(changed.cursor)
+            cursor[OBSERVED_KEY][spec.qualified_name][0] -= SOURCE_OBSERVATION_SECONDS + 1
+            aged = tick(defs, config, instance, "_partitions", cursor=json.dumps(cursor))
+            assert [o.asset_key for o in aged.asset_events] == [spec.source_key]
+            assert tick(defs, config, instance, "_partitions", cursor=aged.cursor).asset_events == []
+        finally:
+            with psycopg.connect(config.source.dsn, autocommit=True) as connection:
+                connection.execute(sql.SQL("alter table {} drop column observed_note").format(
+                    sql.Identifier(spec.schema, "grows")))
 
 
 def test_partitions_tick_after_growth_adds_only_the_new_ranges(config):
