@@ -28,6 +28,14 @@ OPERATION_NAMES = {pb.INSERT: "insert", pb.UPDATE: "update", pb.DELETE: "delete"
                    pb.SNAPSHOT: "snapshot"}
 
 
+Fingerprint = tuple[tuple[str, int, int, bool], ...]
+
+
+def column_fingerprint(columns: Sequence[pb.Column]) -> Fingerprint:
+    """What makes two column lists the same list to the target: names, types and the key."""
+    return tuple((c.name, c.type_oid, c.type_modifier, c.primary_key) for c in columns)
+
+
 @dataclass(frozen=True)
 class ReceivedPackage:
     """One whole package: a message, or the slices of an event too large for one message."""
@@ -48,14 +56,6 @@ class ReceivedPackage:
     @property
     def sequence(self) -> int:
         return self.sequences[-1]
-
-
-Fingerprint = tuple[tuple[str, int, int, bool], ...]
-
-
-def column_fingerprint(columns: Sequence[pb.Column]) -> Fingerprint:
-    """What makes two column lists the same list to the target: names, types and the key."""
-    return tuple((c.name, c.type_oid, c.type_modifier, c.primary_key) for c in columns)
 
 
 class _ColumnCache:

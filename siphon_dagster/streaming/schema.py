@@ -29,6 +29,7 @@ from siphon_dagster.targets.base import SourceColumn, TableSchema, Target
 
 _log = get_logger("streaming.schema")
 
+
 class SchemaChangeError(RuntimeError):
     """The source table changed in a way this table's stream cannot follow; the message says how."""
 

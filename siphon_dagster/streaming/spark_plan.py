@@ -66,7 +66,7 @@ DECODED_BYTES_PER_FLUSH = 128 << 20
 # A batch decoded in the driver keeps its decoded changes up to this size for the TOAST fill, which
 # would otherwise decode the whole batch a second time to find the earlier changes of a few keys
 # (every UPDATE that leaves a TOASTed value unchanged asks for them). A larger batch decodes again.
-HISTORY_KEPT_BYTES = 32 << 20
+HISTORY_KEPT_BYTES = 16 << 20
 # Values compress several times over; Spark then copies and hands back far fewer bytes. A file
 # handed on by name is mapped by the driver as it is: not compressed, nothing to undo.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
@@ -89,11 +89,19 @@ def folded_pieces_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpe
     """`folded_pieces` without Spark: the decode stage the tasks run, called in this process on one
     slice of every package. For small batches, where a Spark job's scheduling (tens of
     milliseconds) would cost more than the decoding. Also returns the decoded changes before the
-    fold when they are at most `HISTORY_KEPT_BYTES` (else None): `key_history_in_driver` reads a
-    key's history out of them instead of decoding the batch again."""
+    fold when a folded row has unchanged TOASTed values and the changes hold at most
+    `HISTORY_KEPT_BYTES` (else None): `key_history_in_driver` reads a key's history out of them
+    instead of decoding the batch again."""
     stage = DecodeStage(spec, truncated_at, in_driver=True, keep_located_bytes=HISTORY_KEPT_BYTES)
     pieces = list(stage.tables(iter(package_rows(packages, None).to_batches())))
-    return pieces, stage.located
+    # Kept only when a folded row has unchanged values to fill: no other batch asks for history, and
+    # a batch waiting for its write should not hold its changes twice.
+    return pieces, stage.located if any(_has_unchanged(piece) for piece in pieces) else None
+
+
+def _has_unchanged(folded: pa.Table) -> bool:
+    lengths = pc.list_value_length(folded.column("_unchanged"))
+    return folded.num_rows > 0 and bool(pc.max(pc.fill_null(lengths, 0)).as_py() or 0)
 
 
 def key_history_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpec, keys: Sequence[bytes],

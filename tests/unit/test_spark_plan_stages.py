@@ -11,7 +11,7 @@ import pytest
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import encode_package
-from siphon_core.wire.tuple_data import encode_tuple
+from siphon_core.wire.tuple_data import UNCHANGED_TOAST, encode_tuple
 from siphon_dagster.streaming import spark_plan
 from siphon_dagster.streaming.batch import describe
 from siphon_dagster.streaming.decode import INPUT_FILE_SCHEMA, INPUT_SCHEMA, DecodeSpec, locate_changes
@@ -182,8 +182,14 @@ def _history_rows(table: pa.Table) -> list[tuple]:
                   for row in table.to_pylist())
 
 
+def _with_unchanged_value(packages: list[pb.Package]) -> list[pb.Package]:
+    """`packages` and, last, an UPDATE of key 4 that leaves its body unchanged (a TOASTed value)."""
+    return [*packages, package([update(10_000, "4", UNCHANGED_TOAST, "9")])]
+
+
 def test_the_toast_fill_reads_a_keys_history_from_the_kept_decode_as_from_a_new_one(monkeypatch):
     packages, _ = _random_packages(seed=7)
+    packages = _with_unchanged_value(packages)
     received = [describe(p, (i + 1,), encode_package(p)) for i, p in enumerate(packages)]
     keys = [encode_tuple([str(k).encode()]) for k in (1, 4, 9, 29)]
 
@@ -199,8 +205,18 @@ def test_the_toast_fill_reads_a_keys_history_from_the_kept_decode_as_from_a_new_
     assert spark_plan.merge_folded(pieces, len(SPEC.columns)).num_rows == 30
 
 
+def test_a_batch_without_unchanged_values_keeps_nothing():
+    packages, _ = _random_packages(seed=9)
+    received = [describe(p, (i + 1,), encode_package(p)) for i, p in enumerate(packages)]
+
+    _, located = spark_plan.folded_pieces_in_driver(received, SPEC, None)
+
+    assert located is None  # nothing will ask for a key's history
+
+
 def test_a_batch_decoding_to_more_than_the_kept_size_keeps_nothing(monkeypatch):
     packages, _ = _random_packages(seed=8)
+    packages = _with_unchanged_value(packages)
     received = [describe(p, (i + 1,), encode_package(p)) for i, p in enumerate(packages)]
     monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", 1)
     monkeypatch.setattr(spark_plan, "HISTORY_KEPT_BYTES", 200)  # a few packages' worth
