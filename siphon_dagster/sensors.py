@@ -80,7 +80,8 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
         minimum_interval_seconds=60,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Adds the block-range partitions of tables that grew and observes each source table "
-                    "(size, row estimate, LSN). The cursor holds each table's block count at the last tick.",
+                    "(size, row estimate, columns, LSN) every 10 minutes and when its columns change. The cursor "
+                    "holds each table's block count at the last tick and when it was last observed.",
     )
     def _partitions(context: dg.SensorEvaluationContext, source: PostgresResource) -> dg.SensorResult:
         state = json.loads(context.cursor) if context.cursor else {}

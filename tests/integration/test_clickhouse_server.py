@@ -298,8 +298,14 @@ def _worker(port: int, worker: int) -> tuple[int, int]:
 def test_many_processes_at_once(embedded_clickhouse: EmbeddedClickHouse) -> None:
     client = embedded_clickhouse.client()
     client.command("CREATE TABLE shared (id UInt64, worker UInt8) ENGINE = MergeTree ORDER BY id")
-    with multiprocessing.get_context("spawn").Pool(4) as pool:
-        results = pool.starmap(_worker, [(embedded_clickhouse.port, worker) for worker in range(4)])
+    pool = multiprocessing.get_context("spawn").Pool(4)
+    try:
+        results = pool.starmap_async(_worker, [(embedded_clickhouse.port, worker) for worker in range(4)]).get(300)
+    finally:
+        # The workers end on their own once their tasks are done. The context manager would kill
+        # them instead (terminate), and once, on a loaded machine, waited forever on one of them.
+        pool.close()
+        pool.join()
     assert sorted(results) == [(worker, 300_000) for worker in range(4)]
     per_worker = client.query("SELECT worker, count() FROM shared GROUP BY worker ORDER BY worker").result_rows
     assert per_worker == [(worker, 50_000) for worker in range(4)]
