@@ -34,6 +34,10 @@ from siphon_dagster.targets.sql_dialect import SqlDialect, check_columns, view_c
 
 _Item = TypeVar("_Item")
 
+# How long a stream write whose live table was missing waits for it to come back: a swap by
+# renames takes a few statements, well under a second.
+LIVE_TABLE_RETURN_SECONDS = 10.0
+
 
 @dataclass(frozen=True)
 class StoredColumn:
@@ -260,7 +264,25 @@ class SqlTarget(ABC):
                     if self._shadows_seen is not None:
                         self._shadows_seen.gone(names.bare("shadow"))
                     continue
+                if target == names.live and self._live_table_back(names):
+                    # A swap by renames (an engine without an atomic swap) leaves the live name
+                    # empty for a moment: the write is tried once more against the table that is
+                    # live now. The version rule makes the second write harmless; a lasting
+                    # fault fails it the same way.
+                    write(target)
+                    continue
                 raise
+
+    def _live_table_back(self, names: TableNames) -> bool:
+        """Whether the live table exists, waiting up to `LIVE_TABLE_RETURN_SECONDS` for a swap by
+        renames to put it back."""
+        deadline = time.monotonic() + LIVE_TABLE_RETURN_SECONDS
+        while True:
+            if self._table_exists(names, names.table_name):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
 
     # -- writes -------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ by the current rows the target must show, as PostgreSQL text.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -284,6 +285,60 @@ def test_resync_through_shadow_keeps_the_view_readable(target: Target, variant: 
     assert target.current_rows_as_text(NOTES) == [("3", "streamed", "4")]
     target.drop_table(NOTES)
     assert target.describe_columns(NOTES) == []
+
+
+@pytest.mark.parametrize("variant", list(SNOWFLAKE_LOADS))
+def test_a_stream_write_between_the_renames_of_a_swap_reaches_the_rebuilt_table(
+        request: pytest.FixtureRequest, unique_name: str, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fakesnow has no SWAP WITH, so a resync swaps by three renames; a stream write (another
+    connection) whose live write falls after the first rename finds no live table, waits for the
+    swap to end and writes again, into the rebuilt table."""
+    target = make_target(request, variant, unique_name)
+    writer = target.sibling()  # type: ignore[attr-defined]
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "drifted", 1, 10)]))
+    target.create_shadow(NOTES)
+    target.apply_copy_text(NOTES, iter([b"2\tkept\t2\n"]), 20, shadow=True)
+
+    live_write_failed = threading.Event()
+    waits_for_live = writer._live_table_back  # noqa: SLF001
+
+    def noted_wait(names):  # type: ignore[no-untyped-def]
+        live_write_failed.set()
+        return waits_for_live(names)
+
+    monkeypatch.setattr(writer, "_live_table_back", noted_wait)
+    errors: list[BaseException] = []
+
+    def stream_write() -> None:
+        try:
+            writer.apply_rows(NOTES, batch(NOTES, [row(3, "streamed", 3, 30)]))
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    stream = threading.Thread(target=stream_write)
+    execute = target._execute  # noqa: SLF001
+    renames: list[str] = []
+
+    def paused_after_first_rename(names, what, statement, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = execute(names, what, statement, *args, **kwargs)
+        if what == "swapping in the resync table by renames":
+            renames.append(statement)
+            if len(renames) == 1:
+                # The live name is empty now: the stream write runs, and fails on it, before the swap goes on.
+                stream.start()
+                while not live_write_failed.wait(0.1):
+                    assert stream.is_alive(), f"the stream write ended before the swap did: {errors}"
+        return result
+
+    monkeypatch.setattr(target, "_execute", paused_after_first_rename)
+    target.swap_shadow(NOTES)
+    stream.join(60)
+    assert len(renames) == 3 and not stream.is_alive()
+    assert errors == []
+    assert target.current_rows_as_text(NOTES) == [("2", "kept", "2"), ("3", "streamed", "3")]
+    target.close()
+    writer.close()
 
 
 def test_clickhouse_view_is_right_before_and_after_merges(request: pytest.FixtureRequest, unique_name: str) -> None:
