@@ -1,17 +1,17 @@
 """Row count: the source's rows at one read against the target's, exactly, however busy the table.
 
 The source is counted in a REPEATABLE READ transaction whose LSN L is noted, and the transaction is
-held while the table's stream applies past L. The target is then read around V = (L, 0): C1
+held while the table's stream applies past L. The target is then read once around V = (L, 0): C1
 current rows with no version above V, and the keys with a version above V (changed since, current
 or deleted), which are looked up in the held read. Without drift the source's count S equals C1
 plus those keys the read holds (see `ExactCount`); any other difference is drift (rows deleted or
 added at the target by hand, changes the stream never received), on a quiet table or a busy one.
 
-The target's two reads are consistent when C1 is the same before and after the keys were read: C1
-can only fall once the stream applied past L (every later write has a version above V). When it
-moved, or more than `checks.row_count_max_changed_keys` keys changed, the read is repeated; the
-band C1 <= S <= C1 + C2 + T2 (C2 current rows above V, T2 keys deleted after it) still fails
-counts no in-flight change explains, and otherwise the check warns that it could not compare.
+C1 and the changed keys come from one statement (`Target.changes_around`), so from one state of
+the table whatever the stream applies meanwhile. With more than `checks.row_count_max_changed_keys`
+changed keys the read is repeated; the band C1 <= S <= C1 + C2 + T2 (C2 current rows above V, T2
+keys deleted after it) still fails counts no in-flight change explains, and otherwise the check
+warns that it could not compare.
 """
 
 from __future__ import annotations
@@ -58,24 +58,23 @@ def read_counts(context: CheckContext) -> tuple[CountRead | None, dict, str]:
         if not waited.caught_up:
             return None, metadata, waited.detail
         # Rows at or below the position read before the snapshot are in it as they are at the target.
-        counts = context.target.version_counts(table, read.version_before)
+        limit = context.settings.row_count_max_changed_keys
+        # Keys alone: a column the target lacks (schema parity's finding) must not stop the count.
+        keys = TableSchema(table.schema, table.table, table.key_columns)
+        changes = context.target.changes_around(keys, read.version_before, limit)
+        counts = changes.counts
         band = CountBand(rows, counts.at_or_below, counts.above, counts.tombstones_above)
-        exact, why = _exact(context, read.connection, table, read.version_before, band)
+        if changes.changed_keys is None:
+            exact, why = None, f"more than {limit} keys changed since the read (checks.row_count_max_changed_keys)"
+        else:
+            exact, why = _exact(read.connection, keys, band, changes.changed_keys), ""
     return CountRead(band, exact, why), metadata, waited.detail
 
 
-def _exact(context: CheckContext, connection: psycopg.Connection[Any], table: TableSchema, version: int,
-           band: CountBand) -> tuple[ExactCount | None, str]:
-    limit = context.settings.row_count_max_changed_keys
-    # Keys alone: a column the target lacks (schema parity's finding) must not stop the count.
-    keys = TableSchema(table.schema, table.table, table.key_columns)
-    changed = context.target.rows_after(keys, version, limit)
-    if len(changed) > limit:
-        return None, f"more than {limit} keys changed since the read (checks.row_count_max_changed_keys)"
-    if context.target.version_counts(table, version).at_or_below != band.at_or_below:
-        return None, "the stream applied changes while the target was read"
-    held = len(source_digest.key_rows(connection, keys, list(changed))) if changed else 0
-    return ExactCount(band.source, band.at_or_below, len(changed), held), ""
+def _exact(connection: psycopg.Connection[Any], keys: TableSchema, band: CountBand,
+           changed: list[tuple[str, ...]]) -> ExactCount:
+    held = len(source_digest.key_rows(connection, keys, changed)) if changed else 0
+    return ExactCount(band.source, band.at_or_below, len(changed), held)
 
 
 def verdict(reads: Sequence[CountRead], attempts: int) -> Outcome | None:

@@ -110,6 +110,14 @@ class VersionCounts:
 
 
 @dataclass(frozen=True)
+class ChangesAround:
+    """A target's rows around a version V and its keys changed after V, read at one moment."""
+
+    counts: VersionCounts
+    changed_keys: list[tuple[str, ...]] | None  # as PostgreSQL text; None: more than the limit asked
+
+
+@dataclass(frozen=True)
 class BucketDigest:
     """Rows of one bucket of keys and the digest of their row hashes (siphon_dagster.checks.digest)."""
 
@@ -203,8 +211,9 @@ class Target(Protocol):
     def column_type_matches(self, column: SourceColumn, stored: str) -> bool:
         """Whether a stored column type is the one the source column maps to."""
 
-    def version_counts(self, table: TableSchema, version: int) -> VersionCounts:
-        """Current rows at or below `version`, above it, and keys deleted after it."""
+    def changes_around(self, table: TableSchema, version: int, limit: int) -> ChangesAround:
+        """At one consistent read of the table: current rows at or below `version`, above it, keys
+        deleted after it, and the keys changed after it (every key when a TRUNCATE came after it)."""
 
     def bucket_digests(self, table: TableSchema, digits: int) -> dict[str, BucketDigest]:
         """Per bucket of current rows (the first `digits` hex digits of md5(key text)): rows and digest."""
@@ -215,10 +224,6 @@ class Target(Protocol):
 
     def key_rows(self, table: TableSchema, keys: Sequence[tuple[str, ...]]) -> dict[tuple[str, ...], TargetRow]:
         """The latest version of keys given as text, tombstones included."""
-
-    def rows_after(self, table: TableSchema, version: int, limit: int) -> dict[tuple[str, ...], TargetRow]:
-        """The latest version of every key changed after `version` (tombstones included; every key when a
-        TRUNCATE came after it), at most `limit` + 1 of them: more than `limit` tells the caller to give up."""
 
     def drop_table(self, table: TableSchema) -> None:
         """Drops the table and its view (resync rebuilds it)."""

@@ -29,7 +29,15 @@ from clickhouse_connect.driver.external import ExternalData
 from siphon_core.config import ClickHouseTargetConfig
 from siphon_core.redaction import redact_url
 from siphon_dagster.targets import clickhouse_sql as sql
-from siphon_dagster.targets.base import SHADOW_SUFFIX, SchemaChange, SourceColumn, TableSchema, TargetError
+from siphon_dagster.targets.base import (
+    SHADOW_SUFFIX,
+    ChangesAround,
+    SchemaChange,
+    SourceColumn,
+    TableSchema,
+    TargetError,
+    VersionCounts,
+)
 from siphon_dagster.targets.names import TableNames
 from siphon_dagster.targets.sql_dialect import stage_column, staging_names
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
@@ -202,6 +210,29 @@ class ClickHouseTarget(SqlTarget):
             f"the table has {current}"
         )
         return None
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def changes_around(self, table: TableSchema, version: int, limit: int) -> ChangesAround:
+        """Counted through the view (FINAL) first, several times cheaper than grouping every key:
+        that read is consistent when the rows at or below the version are as many after the keys
+        were read as before (once the stream passed the version, every write is above it, so a
+        key leaving them lowers the count). When the stream moved it, the one-scan read decides."""
+        names = self._names(table)
+        before = self._quick_counts(names, version)
+        keys = [tuple(row) for row in self._fetch(names, "reading the keys changed after a version",
+                                                  *self.dialect.changed_keys(names, version, limit))]
+        if self._quick_counts(names, version).at_or_below == before.at_or_below:
+            return ChangesAround(before, keys if len(keys) <= limit else None)
+        return super().changes_around(table, version, limit)
+
+    def _quick_counts(self, names: TableNames, version: int) -> VersionCounts:
+        below, above, tombstones = (
+            int(value)
+            for statement in self.dialect.quick_counts(names, version)
+            for value in self._fetch(names, "counting rows around a version", *statement)[0]
+        )
+        return VersionCounts(below, above, tombstones)
 
     # -- loads -----------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from siphon_dagster.targets.base import (
     SourceColumn,
     TableSchema,
     TargetError,
+    VersionCounts,
 )
 from siphon_dagster.targets.names import TableNames
 from siphon_dagster.targets.type_mapping import TargetType
@@ -30,6 +31,8 @@ from siphon_dagster.targets.type_mapping import TargetType
 # source column `v` as the row's version.
 DIGEST_BUCKET, DIGEST_HASH, DIGEST_VERSION, DIGEST_DELETED = (
     f"_siphon_digest_{name}" for name in ("bucket", "hash", "version", "deleted"))
+LATEST_VERSION, LATEST_DELETED, LATEST_TRUNCATION = (
+    f"_siphon_latest_{name}" for name in ("version", "deleted", "truncation"))
 STAGE_VERSION = "_v"
 STAGE_DELETED = "_d"
 
@@ -175,9 +178,14 @@ class SqlDialect(ABC):
     # -- hooks: check statements (siphon_dagster.checks) --------------------------------------------
 
     @abstractmethod
-    def version_counts(self, names: TableNames, version: int) -> list[Statement]:
-        """Statements whose first rows give, in order: current rows at or below `version`, current
-        rows above it, and keys whose latest version is a tombstone above it."""
+    def changes_around(self, names: TableNames, version: int, limit: int) -> Statement:
+        """One statement, so one consistent read of the table, of the counts around `version`
+        (`base.VersionCounts`) and the keys changed after it (every key when a TRUNCATE came
+        after it), at most `limit` + 1 of them; `read_changes_around` takes its rows apart."""
+
+    @abstractmethod
+    def read_changes_around(self, rows: Sequence[Sequence[Any]]) -> tuple[VersionCounts, list[tuple[str, ...]]]:
+        """The counts and the changed keys (as PostgreSQL text) in the rows of `changes_around`."""
 
     @abstractmethod
     def digest_of_hashes(self, hashes: str) -> str:
@@ -279,14 +287,6 @@ class SqlDialect(ABC):
         b, h = DIGEST_BUCKET, DIGEST_HASH
         return (f"SELECT {b}, COUNT(*), {self.digest_of_hashes(h)} FROM (SELECT {self.bucket(names.table, digits)} "
                 f"AS {b}, MD5({self.row_text(names.table)}) AS {h} FROM {names.view}) GROUP BY {b}")
-
-    def rows_after(self, names: TableNames, version: int, limit: int) -> Statement:
-        """The latest row of every key changed after `version`, or of every key when a TRUNCATE came
-        after it; at most `limit` + 1 keys."""
-        bind = self.bindings()
-        v = self.quote(VERSION_COLUMN)
-        where = (f"({v} > {bind.version(version)} OR {self.latest_truncation(names)} > {bind.version(version)})")
-        return bind.statement(f"{self.latest_rows(names, where)} LIMIT {int(limit) + 1}")
 
     def bucket_rows(self, names: TableNames, digits: int, buckets: Sequence[str]) -> Statement:
         bind = self.bindings()

@@ -20,13 +20,13 @@ import pyarrow as pa
 
 from siphon_dagster.targets.base import (
     BucketDigest,
+    ChangesAround,
     SchemaChange,
     SourceColumn,
     TableSchema,
     TargetColumn,
     TargetError,
     TargetRow,
-    VersionCounts,
     change_batch_schema,
 )
 from siphon_dagster.targets.names import TableNames
@@ -373,14 +373,11 @@ class SqlTarget(ABC):
     def column_type_matches(self, column: SourceColumn, stored: str) -> bool:
         return self.dialect.type_matches(column, stored)
 
-    def version_counts(self, table: TableSchema, version: int) -> VersionCounts:
+    def changes_around(self, table: TableSchema, version: int, limit: int) -> ChangesAround:
         names = self._names(table)
-        below, above, tombstones = (
-            int(value)
-            for statement in self.dialect.version_counts(names, version)
-            for value in self._fetch(names, "counting rows around a version", *statement)[0]
-        )
-        return VersionCounts(below, above, tombstones)
+        rows = self._fetch(names, "reading rows around a version", *self.dialect.changes_around(names, version, limit))
+        counts, keys = self.dialect.read_changes_around(rows)
+        return ChangesAround(counts, keys if len(keys) <= limit else None)
 
     def bucket_digests(self, table: TableSchema, digits: int) -> dict[str, BucketDigest]:
         names = self._names(table)
@@ -403,11 +400,6 @@ class SqlTarget(ABC):
             rows = self._fetch(names, "reading rows by key", *self.dialect.key_rows(names, part))
             found.update(target_rows(rows, len(table.key_columns)))
         return found
-
-    def rows_after(self, table: TableSchema, version: int, limit: int) -> dict[tuple[str, ...], TargetRow]:
-        names = self._names(table)
-        rows = self._fetch(names, "reading rows changed after a version", *self.dialect.rows_after(names, version, limit))
-        return target_rows(rows, len(table.key_columns))
 
     # -- resync -------------------------------------------------------------------------------------
 

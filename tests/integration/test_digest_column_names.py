@@ -41,10 +41,12 @@ def test_digests_of_columns_named_like_query_aliases(request: pytest.FixtureRequ
         assert target.bucket_digests(table, 1) == expected_buckets
         assert {key: row.hash for key, row in target.bucket_rows(table, 1, sorted(expected_buckets)).items()} \
             == expected
-        changed = target.rows_after(table, VERSION - 1, ROWS)
-        assert {key: row.hash for key, row in changed.items()} == expected
-        assert len(target.rows_after(table, VERSION - 1, 10)) == 11  # more than the limit: the caller gives up
-        assert target.rows_after(table, VERSION, ROWS) == {}
+        changes = target.changes_around(table, VERSION - 1, ROWS)
+        assert sorted(changes.changed_keys or []) == sorted(keys)
+        assert (changes.counts.at_or_below, changes.counts.above, changes.counts.tombstones_above) == (0, ROWS, 0)
+        assert target.changes_around(table, VERSION - 1, 10).changed_keys is None  # more than the limit
+        unchanged = target.changes_around(table, VERSION, ROWS)
+        assert unchanged.changed_keys == [] and unchanged.counts.at_or_below == ROWS
     finally:
         target.drop_table(table)
         target.close()

@@ -287,6 +287,46 @@ def test_resync_through_shadow_keeps_the_view_readable(target: Target, variant: 
     assert target.describe_columns(NOTES) == []
 
 
+def test_the_rows_around_a_version_count_tombstones_and_truncates_alike_at_every_target(target: Target) -> None:
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(k, "a", k, 10) for k in range(1, 7)]))
+    target.apply_rows(NOTES, batch(NOTES, [row(2, "b", 2, 30), tombstone(3, 30), row(7, "new", 7, 30)]))
+    changes = target.changes_around(NOTES, 20, 10)
+    # 1, 4, 5, 6 unchanged; 2 and 7 current after the version; 3 deleted after it.
+    assert (changes.counts.at_or_below, changes.counts.above, changes.counts.tombstones_above) == (4, 2, 1)
+    assert sorted(changes.changed_keys or []) == [("2",), ("3",), ("7",)]
+    assert target.changes_around(NOTES, 20, 2).changed_keys is None
+    target.tombstone_all(NOTES, 40)  # a TRUNCATE after the version: every key changed
+    changes = target.changes_around(NOTES, 20, 10)
+    assert (changes.counts.at_or_below, changes.counts.above) == (0, 0)
+    assert sorted(changes.changed_keys or []) == [(str(k),) for k in range(1, 8)]
+
+
+def test_clickhouse_reads_the_rows_around_a_version_in_one_scan_when_the_stream_moved_them(
+        request: pytest.FixtureRequest, unique_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The view's count is read before and after the changed keys; when the stream moved it in
+    between, the one-scan read (one set of the table's parts) gives the answer instead."""
+    target = make_target(request, "clickhouse", unique_name)
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(k, "a", k, 10) for k in range(1, 5)]))
+    quick = target.changes_around(NOTES, 20, 10)
+    counted = target._quick_counts  # noqa: SLF001
+    reads = []
+
+    def moved_between(names, version):  # type: ignore[no-untyped-def]
+        reads.append(version)
+        if len(reads) == 2:  # the stream applies a batch between the view's two reads
+            target.apply_rows(NOTES, batch(NOTES, [row(1, "moved", 1, 30)]))
+        return counted(names, version)
+
+    monkeypatch.setattr(target, "_quick_counts", moved_between)
+    changes = target.changes_around(NOTES, 20, 10)
+    assert len(reads) == 2
+    assert (quick.counts.at_or_below, quick.changed_keys) == (4, [])
+    assert (changes.counts.at_or_below, changes.counts.above, changes.changed_keys) == (3, 1, [("1",)])
+    target.close()
+
+
 @pytest.mark.parametrize("variant", list(SNOWFLAKE_LOADS))
 def test_a_stream_write_between_the_renames_of_a_swap_reaches_the_rebuilt_table(
         request: pytest.FixtureRequest, unique_name: str, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:

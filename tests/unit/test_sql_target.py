@@ -9,7 +9,14 @@ from collections.abc import Sequence
 import pytest
 
 from siphon_core.config import ClickHouseTargetConfig, SnowflakeTargetConfig
-from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, TargetError, TargetRow
+from siphon_dagster.targets.base import (
+    SourceColumn,
+    TableSchema,
+    Target,
+    TargetError,
+    TargetRow,
+    VersionCounts,
+)
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
 from siphon_dagster.targets.clickhouse_sql import dialect as clickhouse
 from siphon_dagster.targets.names import TableNames
@@ -113,12 +120,27 @@ def test_bucket_lookups_bind_the_buckets_and_inline_only_the_checked_digit_count
         clickhouse.bucket(ORDERS, "2; DROP TABLE x")  # type: ignore[arg-type]
 
 
-def test_the_counts_around_a_version_come_in_three_values_from_either_dialect() -> None:
-    statements = clickhouse.version_counts(CH, 9)
+def test_the_counts_and_changed_keys_around_a_version_are_one_statement_in_either_dialect() -> None:
+    statement = clickhouse.changes_around(CH, 9, 100)
+    assert statement.params == {"p0": 9}
+    assert statement.sql.count("countIf") == 3 and "groupArrayIf(101)" in statement.sql
+    # Grouped once, by key, so every figure comes from the same parts of the table.
+    assert statement.sql.count(f"FROM {CH.live}") == 1 and "GROUP BY `region`, `id`" in statement.sql
+    assert "max_bytes_before_external_group_by" in statement.sql  # a table of many keys spills, never grows
+    # The cheaper first read: the view's counts, the tombstones above the version, the keys alone.
+    statements = clickhouse.quick_counts(CH, 9)
     assert [s.params for s in statements] == [{"p0": 9}, {"p0": 9}]
     assert [s.sql.count("countIf") for s in statements] == [2, 1]
-    (statement,) = snowflake.version_counts(SF, 9)
-    assert statement.params == ["9", "9", "9"] and statement.sql.count("SUM(CASE WHEN") == 3
+    assert clickhouse.changed_keys(CH, 9, 100).sql.endswith("LIMIT 101")
+    counts, keys = clickhouse.read_changes_around([(5, 2, 1, [["eu", "1"], ["us", "7"]])])
+    assert (counts.at_or_below, counts.above, counts.tombstones_above, keys) == (5, 2, 1, [("eu", "1"), ("us", "7")])
+
+    statement = snowflake.changes_around(SF, 9, 100)
+    # Bound in the order the text names them: three counts, then the changed keys' two conditions.
+    assert statement.params == ["9"] * 5 and statement.sql.count("SUM(CASE WHEN") == 3
+    assert statement.sql.count("UNION ALL") == 1 and "LIMIT 101" in statement.sql
+    counts, keys = snowflake.read_changes_around([(1, None, None, None, "eu", "1"), (0, 5, 2, 1, None, None)])
+    assert (counts.at_or_below, counts.above, counts.tombstones_above, keys) == (5, 2, 1, [("eu", "1")])
 
 
 def test_a_row_older_than_the_latest_truncate_reads_as_deleted_by_it() -> None:
@@ -206,8 +228,11 @@ class _ThirdDialect(SqlDialect):
     def swap_by_renames(self, names: TableNames, retired: str) -> list[str]:
         return []
 
-    def version_counts(self, names: TableNames, version: int) -> list[Statement]:
-        return []
+    def changes_around(self, names: TableNames, version: int, limit: int) -> Statement:
+        return Statement("", [])
+
+    def read_changes_around(self, rows: Sequence[Sequence[object]]) -> tuple[VersionCounts, list[tuple[str, ...]]]:
+        return VersionCounts(0, 0, 0), []
 
     def concat(self, parts: Sequence[str]) -> str:
         return " || ".join(parts)
