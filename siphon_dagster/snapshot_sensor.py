@@ -159,11 +159,15 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
             at = state.get(name, {}).get(SETTLED_KEY)
             return at is not None and now - at < settled_look_seconds
 
-        looked_at = [spec for spec in specs if not all(settled(table_id(spec, t)) for t in spec.targets)]
-        existing = {spec.partitions_def_name: context.instance.get_dynamic_partitions(spec.partitions_def_name)
-                    for spec in looked_at}
-        added_requests, added = _missing_partitions(context, [s for s in looked_at
-                                                               if not existing[s.partitions_def_name]])
+        # A table's partitions are read when it is looked at, once per table: a read of the
+        # instance's storage each, and a tick that ends at its budget leaves the rest unread.
+        existing: dict[str, Sequence[str]] = {}
+
+        def partitions_of(spec: TableSpec) -> Sequence[str]:
+            if spec.partitions_def_name not in existing:
+                existing[spec.partitions_def_name] = context.instance.get_dynamic_partitions(spec.partitions_def_name)
+            return existing[spec.partitions_def_name]
+
         probes = {target: TargetProbe(target, getattr(context.resources, f"{target}_target"), context.log)
                   for target in targets}
         run_requests: list[dg.RunRequest] = []
@@ -173,6 +177,25 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         # Tables left over by the last tick come first, so that every table has its turn.
         first = names.index(state[RESUME_KEY]) if state.get(RESUME_KEY) in names else 0
         cursor: dict[str, Any] = {name: state[name] for name in names if name in state}
+
+        def tick(spec: TableSpec, target: str, name: str, keys: Sequence[str]) -> None:
+            try:
+                requests, event, entry = _tick_table(context, spec, target, keys, state.get(name, {}), probes[target],
+                                                     settings, checks.get(spec.target_key(target), ()),
+                                                     table_check_seconds)
+            except Exception as error:  # one table's problem holds back no other table
+                context.log.error(f"{name}: {error}")
+                return
+            run_requests.extend(requests)
+            if event is not None:
+                events.append(event)
+            cursor[name] = entry
+
+        # Tables without partitions yet (the partitions sensor has not run since they were
+        # configured) are ticked last, with the partitions this tick's result adds before its run
+        # requests are submitted: their sizes are read at the source in one query.
+        without_partitions: list[tuple[TableSpec, str, str]] = []
+        added_requests: list[dg.AddDynamicPartitionsRequest] = []
         try:
             for index in range(first, first + len(tables)):
                 spec, target = tables[index % len(tables)]
@@ -184,18 +207,16 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
                                      "it are looked at next tick")
                     cursor[RESUME_KEY] = name
                     break
-                keys = existing[spec.partitions_def_name] or added.get(spec.partitions_def_name, [])
-                try:
-                    requests, event, entry = _tick_table(context, spec, target, keys, state.get(name, {}),
-                                                         probes[target], settings,
-                                                         checks.get(spec.target_key(target), ()), table_check_seconds)
-                except Exception as error:  # one table's problem holds back no other table
-                    context.log.error(f"{name}: {error}")
-                    continue
-                run_requests.extend(requests)
-                if event is not None:
-                    events.append(event)
-                cursor[name] = entry
+                keys = partitions_of(spec)
+                if keys:
+                    tick(spec, target, name, keys)
+                else:
+                    without_partitions.append((spec, target, name))
+            if without_partitions:
+                new_specs = list({spec.partitions_def_name: spec for spec, _, _ in without_partitions}.values())
+                added_requests, added = _missing_partitions(context, new_specs)
+                for spec, target, name in without_partitions:
+                    tick(spec, target, name, added.get(spec.partitions_def_name, []))
         finally:
             for probe in probes.values():
                 probe.close()

@@ -91,6 +91,22 @@ def test_partitions_tick_with_nothing_new_requests_nothing(config):
         assert len(instance.get_dynamic_partitions(spec.partitions_def_name)) > 0
 
 
+def test_a_table_whose_size_did_not_change_has_its_partitions_looked_up_only_with_its_observation(config):
+    defs = build_definitions(config)
+    spec = table_specs(config)[0]
+    with dg.instance_for_test() as instance:
+        first = tick_and_add_partitions(defs, config, instance)
+        keys = instance.get_dynamic_partitions(spec.partitions_def_name)
+        instance.delete_dynamic_partition(spec.partitions_def_name, keys[-1])  # by hand, at the instance
+        # Same block count as the cursor says, observed a moment ago: the instance is not read.
+        assert tick(defs, config, instance, "_partitions", cursor=first.cursor).dynamic_partitions_requests == []
+        # Once the observation is due, the table's partitions are read again and the range comes back.
+        cursor = json.loads(first.cursor)
+        cursor[OBSERVED_KEY][spec.qualified_name][0] -= SOURCE_OBSERVATION_SECONDS + 1
+        due = tick(defs, config, instance, "_partitions", cursor=json.dumps(cursor))
+        assert [list(r.partition_keys) for r in due.dynamic_partitions_requests] == [[keys[-1]]]
+
+
 def test_a_source_table_is_observed_again_when_its_columns_change_or_its_observation_is_old(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]

@@ -287,7 +287,7 @@ def test_a_settled_table_is_looked_at_again_only_after_its_interval(config):
         assert "settled_at" not in harness.entry()
 
 
-def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn):
+def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn, monkeypatch):
     schema = config.application_identifier
     with psycopg.connect(postgres_dsn, autocommit=True) as connection:
         connection.execute(sql.SQL("create table {} (id int primary key)").format(sql.Identifier(schema, "other")))
@@ -297,15 +297,27 @@ def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, post
     defs = build_definitions(both)
     sensor = build_snapshot_sensor(specs, "test", both.snapshots, tick_budget_seconds=0)
     with dg.instance_for_test() as instance:
-        cursor, asked = None, []
+        read_partitions = instance.get_dynamic_partitions
+        partitions_read: list[str] = []
+
+        def counted(name: str) -> list[str]:
+            partitions_read.append(name)
+            return read_partitions(name)
+
+        monkeypatch.setattr(instance, "get_dynamic_partitions", counted)
+        cursor, asked, read = None, [], []
         for _ in range(3):
+            partitions_read.clear()
             result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
                                                     definitions=defs))
             cursor = result.cursor
             asked.append({r.tags[AUTOLOAD_TAG] for r in result.run_requests})
+            read.append(set(partitions_read))
         # One table a tick, each in its turn; a load asked for stays asked (its runs are never made here).
         assert asked[0] == {f"clickhouse:{specs[0].qualified_name}"}
         assert asked[1] == {f"clickhouse:{specs[1].qualified_name}"}
+        # A tick reads the partitions of the tables it looks at, none of the others.
+        assert read[:2] == [{specs[0].partitions_def_name}, {specs[1].partitions_def_name}]
         assert json.loads(cursor)["_resume"] == f"clickhouse:{specs[1].qualified_name}"
 
 
