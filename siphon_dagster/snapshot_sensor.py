@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
@@ -55,6 +55,9 @@ TICK_BUDGET_SECONDS = 40.0
 # look costs several queries of the instance's storage, and hundreds of settled tables made the
 # sensor a steady share of a small machine's CPU. Its state on the asset is refreshed as often.
 SETTLED_LOOK_SECONDS = 120.0
+# With many tables, settled ones are looked at no more often than this many a second in all (500
+# tables: every 250 s); what a look finds (a table dropped by hand, a state to show) waits longer.
+SETTLED_LOOKS_PER_SECOND = 2.0
 SETTLED_KEY = "settled_at"  # in a table's cursor entry: when it was last found settled
 RESUME_KEY = "_resume"  # in the cursor: the table the next tick begins with (no table id starts with _)
 
@@ -123,6 +126,11 @@ class TargetProbe:
                 self._log.warning(f"{self.name}: closing the target: {error}")
 
 
+def settled_look_interval(tables: int) -> float:
+    """How long a settled table waits for its next look, in a sensor of `tables` (table, target)s."""
+    return max(SETTLED_LOOK_SECONDS, tables / SETTLED_LOOKS_PER_SECOND)
+
+
 def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: SnapshotsConfig,
                           check_keys: Mapping[dg.AssetKey, Sequence[dg.AssetCheckKey]] | None = None,
                           table_check_seconds: float = TABLE_CHECK_SECONDS,
@@ -131,9 +139,10 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
     """`{group}_snapshots`. `check_keys` names each target asset's checks, whose latest results the
     table's state shows. A tick looks at tables for `tick_budget_seconds` at most, and the next
     one goes on from the first table it left. A settled table is looked at every
-    `settled_look_seconds` (default: SETTLED_LOOK_SECONDS, or 0 when `table_check_seconds` is 0)."""
+    `settled_look_seconds` (default: `settled_look_interval`, or 0 when `table_check_seconds` is 0)."""
     if settled_look_seconds is None:
-        settled_look_seconds = SETTLED_LOOK_SECONDS if table_check_seconds else 0.0
+        tables = sum(len(spec.targets) for spec in specs)
+        settled_look_seconds = settled_look_interval(tables) if table_check_seconds else 0.0
     targets = sorted({target for spec in specs for target in spec.targets})
     checks = dict(check_keys or {})
 
@@ -178,11 +187,19 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         first = names.index(state[RESUME_KEY]) if state.get(RESUME_KEY) in names else 0
         cursor: dict[str, Any] = {name: state[name] for name in names if name in state}
 
+        # A group's tables share one streaming job: its runs are read once a tick.
+        streaming: dict[str, str] = {}
+
+        def streaming_of(job_name: str) -> str:
+            if job_name not in streaming:
+                streaming[job_name] = streaming_status(context.instance, job_name)
+            return streaming[job_name]
+
         def tick(spec: TableSpec, target: str, name: str, keys: Sequence[str]) -> None:
             try:
                 requests, event, entry = _tick_table(context, spec, target, keys, state.get(name, {}), probes[target],
                                                      settings, checks.get(spec.target_key(target), ()),
-                                                     table_check_seconds)
+                                                     table_check_seconds, streaming_of)
             except Exception as error:  # one table's problem holds back no other table
                 context.log.error(f"{name}: {error}")
                 return
@@ -243,8 +260,9 @@ def _missing_partitions(context: dg.SensorEvaluationContext, empty: list[TableSp
 
 def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: str, keys: Sequence[str],
                 entry: Mapping[str, Any], probe: TargetProbe, settings: SnapshotsConfig,
-                check_keys: Sequence[dg.AssetCheckKey], table_check_seconds: float
-                ) -> tuple[list[dg.RunRequest], dg.AssetObservation | None, dict[str, Any]]:
+                check_keys: Sequence[dg.AssetCheckKey], table_check_seconds: float,
+                streaming_of: Callable[[str], str]) -> tuple[list[dg.RunRequest], dg.AssetObservation | None,
+                                                            dict[str, Any]]:
     instance = context.instance
     asset_key = spec.target_key(target)
     name = table_id(spec, target)
@@ -282,7 +300,7 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
         failed_attempts={key: record["attempts"] for key, record in failed.items()},
         exhausted=exhausted(plan.entry, settings.max_attempts),
         next_retry=min(waiting) if waiting else None,
-        streaming=streaming_status(instance, spec.stream_job_name(target)),
+        streaming=streaming_of(spec.stream_job_name(target)),
         checks=check_results(instance, check_keys),
     )
     digest = table_state.digest()

@@ -11,6 +11,11 @@ from siphon_dagster.snapshot_plan import (
     plan_table,
     retry_delay,
 )
+from siphon_dagster.snapshot_sensor import (
+    SETTLED_LOOK_SECONDS,
+    SETTLED_LOOKS_PER_SECOND,
+    settled_look_interval,
+)
 
 KEYS = ["00000000-00000003", "00000004-00000007", "00000008-00000011"]
 A, B, C = KEYS
@@ -114,3 +119,8 @@ def test_a_drop_loads_every_partition_not_running_again_and_forgets_its_failures
     assert result.load == [A, B] and result.load_started and result.retries == []
     assert "failed" not in result.entry
     assert plan(dropped=True, missing=None).load == []
+
+
+def test_settled_tables_are_looked_at_a_few_a_second_in_all_however_many_there_are():
+    assert settled_look_interval(10) == SETTLED_LOOK_SECONDS
+    assert settled_look_interval(500) == 500 / SETTLED_LOOKS_PER_SECOND > SETTLED_LOOK_SECONDS
