@@ -179,6 +179,10 @@ def test_stream_converges_at_the_target(request: pytest.FixtureRequest, nats_url
     assert reports[-1].pending == 0 and reports[-1].applied_lsn_text == "0/109"
     assert reports[0].rows_by_operation == {"insert": 3, "update": 3, "delete": 1}
     assert reports[0].lag_oldest_seconds >= reports[0].lag_newest_seconds > 0
+    # Every phase is timed, and what the apply waited beyond its phases is one of them.
+    for report in reports:
+        assert {"pull", "apply", "ack", "queued"} <= set(report.seconds) and min(report.seconds.values()) >= 0
+        assert sum(report.seconds.values()) <= report.latency_seconds + 0.05
     # Snowflake says how it loaded each batch: batches this small are inserted.
     assert [r.load_path for r in reports] == ([None, None] if target_name == "clickhouse" else ["insert", "insert"])
     target.close()
