@@ -373,7 +373,7 @@ class StreamConsumer:
         applied: AppliedBatch | None = None
         warnings: list[str] = []
         dead_lettered = list(batch.dead_lettered)
-        applying = time.perf_counter()
+        apply_started = time.perf_counter()
         if batch.packages:
             applied, rejected = await self.strategy.apply(batch.packages, batch.by_sequence, batch.early)
             dead_lettered += rejected
@@ -381,7 +381,7 @@ class StreamConsumer:
         elif batch.early is not None:
             await batch.early
         started = time.perf_counter()
-        applying = started - applying
+        apply_seconds = started - apply_started
         acked = {s for s in batch.done if s in batch.by_sequence and s not in dead_lettered}
         await _ack([batch.by_sequence[s] for s in batch.done if s in acked])
         self._forget_acked(acked)
@@ -393,7 +393,7 @@ class StreamConsumer:
             timings.update(applied.seconds)
             # What the apply waited beyond its own phases: for a CPU or apply thread, or for the
             # batch before it (a phase of a batch prepared early ran before this wait began).
-            timings["queued"] = round(max(0.0, applying - sum(applied.seconds.values())), 4)
+            timings["queued"] = round(max(0.0, apply_seconds - sum(applied.seconds.values())), 4)
             schema_changed = self._last_schema is not None and applied.schema != self._last_schema
             self._last_schema = applied.schema
         report = self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
