@@ -103,6 +103,13 @@ class StreamConsumer:
         # tables has more batches than threads: each table's batches ahead only wait in the queue
         # for a thread, and every batch in it waits longer.
         self.pipelined = True
+        # A group run's turns: a batch takes its waiting messages only once it holds one, and gives
+        # it back once it is acked. With more busy tables than the run writes at once, batches then
+        # wait for their turn in the queue, still taking what arrives, instead of waiting pulled and
+        # stale behind the others. Only without `pipelined` (one batch in flight).
+        self.turns: asyncio.Semaphore | None = None
+        self._turn_held = False
+        self._turn_seconds = 0.0  # how long the batch being pulled waited for its turn
         self._last_schema: object = None
         self._first_message_at = 0.0  # when a group run's pull got its batch's first message
         self._stopping = threading.Event()
@@ -154,6 +161,7 @@ class StreamConsumer:
         finishing: asyncio.Task[BatchReport | None] | None = None
         try:
             while not self._stopping.is_set() and (max_batches is None or summary.batches < max_batches):
+                self._end_turn()  # a turn covers one batch, from its take to its ack
                 if following is not None:
                     batch, following = following, None
                 else:
@@ -193,6 +201,7 @@ class StreamConsumer:
             if finishing is not None:
                 with contextlib.suppress(Exception):
                     await finishing  # a batch being written is written and acked, never left half-done
+            self._end_turn()
             if following is not None and following.early is not None:
                 with contextlib.suppress(Exception):
                     await following.early  # its thread runs on; let it end before the run does
@@ -268,7 +277,23 @@ class StreamConsumer:
         self._unacked.update((id(m), m) for m in first)
         if not first[-1].metadata.num_pending:
             await asyncio.sleep(wait)
+        await self._take_turn()
         return first + await self._take_waiting(subscription, len(first), sum(len(m.data) for m in first))
+
+    async def _take_turn(self) -> None:
+        self._turn_seconds = 0.0
+        if self.turns is None or self.pipelined or self._turn_held:
+            return
+        started = time.perf_counter()
+        await self.turns.acquire()
+        self._turn_held = True
+        self._turn_seconds = time.perf_counter() - started
+
+    def _end_turn(self) -> None:
+        if self._turn_held:
+            self._turn_held = False
+            assert self.turns is not None
+            self.turns.release()
 
     async def _take_waiting(self, subscription: JetStreamContext.PullSubscription, count: int,
                             size: int) -> list[Msg]:
@@ -327,8 +352,9 @@ class StreamConsumer:
             await message.in_progress()  # keeps JetStream from redelivering them while we wait
         done = [s for p in packages for s in p.sequences] + self._assembler.take_abandoned()
         prepared = asyncio.create_task(self._prepare(packages, after)) if packages else None
+        turn_seconds, self._turn_seconds = self._turn_seconds, 0.0
         return _Batch(messages, packages, by_sequence, dead_lettered, done, pulled_at,
-                      round(time.perf_counter() - pulled_at, 4), prepared)
+                      round(time.perf_counter() - pulled_at - turn_seconds, 4), prepared, turn_seconds)
 
     def _accept(self, numbered: Sequence[tuple[int, bytes]]) -> tuple[list[ReceivedPackage],
                                                                        list[tuple[int, PackageError]]]:
@@ -393,7 +419,7 @@ class StreamConsumer:
             timings.update(applied.seconds)
             # What the apply waited beyond its own phases: for a CPU or apply thread, or for the
             # batch before it (a phase of a batch prepared early ran before this wait began).
-            timings["queued"] = round(max(0.0, apply_seconds - sum(applied.seconds.values())), 4)
+            timings["queued"] = round(batch.turn_seconds + max(0.0, apply_seconds - sum(applied.seconds.values())), 4)
             schema_changed = self._last_schema is not None and applied.schema != self._last_schema
             self._last_schema = applied.schema
         report = self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
@@ -457,6 +483,7 @@ class _Batch:
     pulled_at: float
     pull_seconds: float
     early: asyncio.Task[PreparedBatch | None] | None  # its Spark work, started when it was assembled
+    turn_seconds: float = 0.0  # how long it waited for a group run's turn before taking its messages
 
 
 def fetch_step(messages_left: int, bytes_left: int, message_bytes: float) -> int:

@@ -75,6 +75,7 @@ class GroupRunner:
         self.apply_threads = apply_threads
         self.setup_concurrency = setup_concurrency
         self._setup_gate: asyncio.Semaphore | None = None
+        self._turns: asyncio.Semaphore | None = None
         # Tables decoding at once: decoding holds the interpreter lock, so more than the cores only
         # take turns, and the event loop (every table's pulls and acks) waits behind them.
         self.decode_concurrency = decode_concurrency or os.cpu_count() or 2
@@ -109,6 +110,8 @@ class GroupRunner:
         self._loop = asyncio.get_running_loop()
         self._loop.set_default_executor(ThreadPoolExecutor(self.apply_threads, thread_name_prefix="siphon-apply"))
         self._setup_gate = asyncio.Semaphore(self.setup_concurrency)
+        # Batches taken at once, one per apply thread (see StreamConsumer.turns).
+        self._turns = asyncio.Semaphore(self.apply_threads)
         settle_heap()  # what is loaded before the first table starts: Dagster, the definitions
         self._cpu_executor = ThreadPoolExecutor(self.decode_concurrency, thread_name_prefix="siphon-decode")
         self._stopped = asyncio.Event()
@@ -205,6 +208,8 @@ class GroupRunner:
         consumer.setup_gate = self._setup_gate
         consumer.cpu_executor = self._cpu_executor
         consumer.on_ready = lambda: self._ready(table.name)
+        if not consumer.pipelined:
+            consumer.turns = self._turns
         if self.pace is not None:
             consumer.batch_wait = self.pace.wait_seconds
         self._consumers[table.name] = consumer

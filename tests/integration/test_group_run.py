@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 
 import dagster as dg
 import pytest
@@ -199,5 +200,71 @@ def test_an_interrupt_in_one_table_ends_every_table_before_the_connection_closes
     # and no table's task was left to fail on its own.
     assert failures == []
     assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage()[:300] for r in caplog.records]
+    for target in opened:
+        target.close()
+
+
+class _SlowWrites:
+    """A real target whose writes take a while longer, as a busy warehouse's do."""
+
+    def __init__(self, inner, seconds: float) -> None:  # noqa: ANN001
+        self.inner = inner
+        self.seconds = seconds
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+    def apply_rows(self, table, rows):  # noqa: ANN001, ANN201
+        time.sleep(self.seconds)
+        return self.inner.apply_rows(table, rows)
+
+
+def test_a_group_run_takes_no_more_batches_at_once_than_it_writes(request, nats_url, postgres_dsn,
+                                                                   clickhouse_url, unique_name):
+    """With more busy tables than apply threads, a table waits for its turn before it takes its
+    messages, so what it takes is as fresh as can be; taken batches never queue for a thread."""
+    names = [f"w{i}" for i in range(6)]
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
+    for name in names:
+        publish(nats_url, unique_name, [package([insert(0x400 + i, str(i), f"{name} {i}", str(i))], table=name)
+                                        for i in range(30)], table=name)
+    resources = build_resources(config)
+    shared = resources["queue"].queue()
+    opened = []
+    reports: list[BatchReport] = []
+    taken: set[str] = set()  # tables whose batch is taken and not yet acked (both on the event loop)
+    most_taken = [0]
+
+    class Watched(StreamConsumer):
+        async def _take_waiting(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            taken.add(self.table.name)
+            most_taken[0] = max(most_taken[0], len(taken))
+            return await super()._take_waiting(*args, **kwargs)
+
+        async def _finish(self, batch):  # noqa: ANN001, ANN202
+            try:
+                return await super()._finish(batch)
+            finally:
+                taken.discard(self.table.name)
+
+    def make_consumer(table: TableConfig) -> StreamConsumer:
+        opened.append(resources["clickhouse_target"].open_target())
+        made = Watched(shared, _SlowWrites(opened[-1], 0.1), table, lambda: pytest.fail("no Spark for small batches"),
+                       StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05), source=None)
+        made.idle_pull_seconds = 5.0
+        made.pipelined = False
+        return made
+
+    def on_batch(report: BatchReport) -> None:
+        reports.append(report)
+        if sum(r.events for r in reports) == 30 * len(names):
+            runner.stop()
+
+    runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, lambda failure: None,
+                         apply_threads=2)
+    summary = runner.run()
+    assert {name: totals.events for name, totals in summary.tables.items()} == {f"public.{n}": 30 for n in names}
+    assert most_taken[0] == 2
+    assert sum(r.seconds["queued"] for r in reports) > 0  # waiting for a turn is reported as queued
     for target in opened:
         target.close()
