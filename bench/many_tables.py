@@ -2,6 +2,7 @@
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
                                 [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
+                                [--instance-storage sqlite|postgres]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
@@ -24,6 +25,8 @@ Figures:
   worker, its Spark JVM and Python workers if started). Shared pages are counted in each process.
 - rows_differing: at the end, once the producer confirmed the end of the WAL and the runs
   drained, every table's rows (PostgreSQL's text of every column) against the `_current` view.
+With --instance-storage postgres Dagster keeps its runs and events in a database of the same
+PostgreSQL (as a production instance does) instead of SQLite files under DAGSTER_HOME.
 With --groups N the tables are dealt over N streaming runs (`streaming.groups`); the batch figures
 (batches/s, phases) are then those of the one run that serves /metrics.
 Ends with one JSON line.
@@ -392,6 +395,15 @@ def freshness(writer: Writer, poller: Poller, after: float) -> list[float]:
     return samples
 
 
+def instance_database(dsn: str) -> str:
+    """A database for Dagster's storage beside the source's, in the same cluster; its URL."""
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        connection.execute("create database dagster_instance")
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    user = info.get("user", "postgres")
+    return f"postgresql://{user}@{info.get('host', '127.0.0.1')}:{info.get('port', 5432)}/dagster_instance"
+
+
 def slot_caught_up(dsn: str, end_lsn: int) -> bool:
     with psycopg.connect(dsn) as connection:
         row = connection.execute("select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s",
@@ -470,6 +482,9 @@ def main() -> int:
                         help="streaming runs (streaming.groups): the tables dealt round-robin over this many runs")
     parser.add_argument("--driver-decode-max-bytes", type=int, default=None,
                         help="streaming.driver_decode_max_bytes (default: unset, every batch of a group run in its process)")
+    parser.add_argument("--instance-storage", choices=("sqlite", "postgres"), default="sqlite",
+                        help="Dagster's storage: the repository's dagster.yaml (SQLite under DAGSTER_HOME), or "
+                             "a database of the benchmark's PostgreSQL, as a production instance keeps it")
     args = parser.parse_args()
     names = table_names(args.tables)
     load_before = os.getloadavg()[0]
@@ -485,6 +500,9 @@ def main() -> int:
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
         shutil.copy(ROOT / "dagster.yaml", dagster_home / "dagster.yaml")
+        if args.instance_storage == "postgres":
+            with (dagster_home / "dagster.yaml").open("a") as instance_config:
+                yaml.safe_dump({"storage": {"postgres": {"postgres_url": instance_database(stack.dsn)}}}, instance_config)
         env = {**os.environ, "SIPHON_CONFIG": str(config_path), "DAGSTER_HOME": str(dagster_home),
                "PYTHONPATH": str(ROOT)}
         producer = start_process("siphon-producer", [sys.executable, "-m", "producer_service.cli", "run", "--config",
@@ -577,7 +595,8 @@ def main() -> int:
     p95 = statistics.quantiles(fresh, n=20)[-1] if len(fresh) >= 20 else float("nan")
     p50 = statistics.median(fresh) if fresh else float("nan")
     figures = {
-        "tables": args.tables, "rate": args.rate, "achieved_rate": achieved_rate,
+        "tables": args.tables, "rate": args.rate, "instance_storage": args.instance_storage,
+        "achieved_rate": achieved_rate,
         "rss_mb": peak_rss, "processes": peak_processes, "freshness_p50_s": p50, "freshness_p95_s": p95,
         "all_streaming_s": all_streaming if all_streaming is not None else float("nan"),
         "streaming_tables": streaming_tables, "rows_differing": differing, "ui_ready_s": ui_seconds,
@@ -603,7 +622,7 @@ def main() -> int:
     print("  mean seconds per batch by phase: " + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds
                                                            in figures["batch_phase_mean_s"].items()))
     print_table(f"{args.tables} tables, {args.rate:.0f} changes/s Zipf s={args.zipf}, one `dagster dev` "
-                f"(load average before: {load_before:.1f})", [
+                f"(instance storage: {args.instance_storage}; load average before: {load_before:.1f})", [
         ("resident memory, Dagster side (MB, peak)", f"{peak_rss:.0f}", f"<= {TARGETS['rss_mb']:.0f}"),
         ("processes, Dagster side (peak)", f"{peak_processes}", f"<= {TARGETS['processes']}"),
         ("freshness p50 (s)", f"{p50:.2f}", ""),
