@@ -401,7 +401,7 @@ def instance_database(dsn: str) -> str:
         connection.execute("create database dagster_instance")
     info = psycopg.conninfo.conninfo_to_dict(dsn)
     user = info.get("user", "postgres")
-    return f"postgresql://{user}@{info.get('host', '127.0.0.1')}:{info.get('port', 5432)}/dagster_instance"
+    return f"postgresql+psycopg2://{user}@{info.get('host', '127.0.0.1')}:{info.get('port', 5432)}/dagster_instance"
 
 
 def slot_caught_up(dsn: str, end_lsn: int) -> bool:

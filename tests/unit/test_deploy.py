@@ -397,6 +397,8 @@ def chart_instance(values: dict[str, Any]) -> dict[str, Any]:
     postgres = {"postgres_db": {"username": pg["postgresqlUsername"], "password": {"env": "DAGSTER_PG_PASSWORD"},
                                 "hostname": pg["postgresqlHost"], "db_name": pg["postgresqlDatabase"],
                                 "port": pg["service"]["port"], "params": pg["postgresqlParams"]}}
+    if pg.get("postgresqlScheme"):
+        postgres["postgres_db"]["scheme"] = pg["postgresqlScheme"]
     launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
     run_k8s = {re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower(): value
                for key, value in launcher.get("runK8sConfig", {}).items()}
