@@ -108,6 +108,7 @@ class StreamConsumer:
         # wait for their turn in the queue, still taking what arrives, instead of waiting pulled and
         # stale behind the others. Only without `pipelined` (one batch in flight).
         self.turns: asyncio.Semaphore | None = None
+        self.strategy.sleep = self._wait_without_turn
         self._turn_held = False
         self._turn_seconds = 0.0  # how long the batch being pulled waited for its turn
         self._last_schema: object = None
@@ -294,6 +295,18 @@ class StreamConsumer:
         await self.turns.acquire()
         self._turn_held = True
         self._turn_seconds = time.perf_counter() - started
+
+    async def _wait_without_turn(self, seconds: float) -> None:
+        """A failed batch's wait before its retry, with its turn given back: a table whose target
+        keeps failing would otherwise hold a turn, and the other tables' batches, through every
+        backoff."""
+        held = self._turn_held
+        self._end_turn()
+        await asyncio.sleep(seconds)
+        if held:
+            assert self.turns is not None
+            await self.turns.acquire()
+            self._turn_held = True
 
     def _end_turn(self) -> None:
         if self._turn_held:

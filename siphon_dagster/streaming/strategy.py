@@ -11,7 +11,7 @@ A schema change the target cannot follow always stops: skipping it would lose ev
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -55,6 +55,8 @@ class ErrorStrategy:
         self.retry = retry
         self.dead_letter_subject = dead_letter_subject
         self.durable = durable
+        # How a retry waits: a group run's consumer gives its turn back meanwhile.
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
     async def apply(self, packages: Sequence[ReceivedPackage], messages: dict[int, Msg],
                     early: Awaitable[PreparedBatch | None] | None = None) -> tuple[AppliedBatch | None, list[int]]:
@@ -91,6 +93,7 @@ class ErrorStrategy:
             stop=stop_after_attempt(policy.attempts),
             wait=wait_exponential(multiplier=policy.initial_wait_seconds, max=policy.max_wait_seconds),
             retry=retry_if_exception(lambda error: not isinstance(error, SchemaChangeError)),
+            sleep=self.sleep,
             before_sleep=lambda state: _log.warning(
                 "batch failed; retrying", table=self.applier.qualified_name, attempt=state.attempt_number,
                 error=_one_line(state.outcome.exception()) if state.outcome else ""),

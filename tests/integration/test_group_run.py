@@ -20,6 +20,7 @@ from siphon_dagster.streaming.group_run import SWITCH_INTERVAL_SECONDS, GroupRun
 from siphon_dagster.streaming.report import BatchReport
 from siphon_dagster.streaming.schema import table_schema
 from siphon_dagster.streaming.spark_session import get_spark_session
+from siphon_dagster.streaming.strategy import RetryPolicy
 from tests.integration.test_streaming_consumer import (
     STORY,
     STORY_ROWS,
@@ -266,5 +267,70 @@ def test_a_group_run_takes_no_more_batches_at_once_than_it_writes(request, nats_
     assert {name: totals.events for name, totals in summary.tables.items()} == {f"public.{n}": 30 for n in names}
     assert most_taken[0] == 2
     assert sum(r.seconds["queued"] for r in reports) > 0  # waiting for a turn is reported as queued
+    for target in opened:
+        target.close()
+
+
+class _FailingWrites:
+    """A real target whose writes fail, each failure noted with its time."""
+
+    def __init__(self, inner, failures: list[float]) -> None:  # noqa: ANN001
+        self.inner = inner
+        self.failures = failures
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+    def apply_rows(self, table, rows):  # noqa: ANN001, ANN201
+        self.failures.append(time.monotonic())
+        raise RuntimeError("the warehouse refused the write")
+
+
+def test_a_batch_waiting_to_retry_gives_its_turn_to_the_other_tables(request, nats_url, postgres_dsn,
+                                                                     clickhouse_url, unique_name):
+    """With one turn, a table whose writes keep failing (on_error: retry) still lets another table
+    apply its batches between its attempts."""
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["good", "bad"])
+    publish(nats_url, unique_name, [package([insert(0x500, "1", "bad 1", "1")], table="bad")], table="bad")
+    resources = build_resources(config)
+    shared = resources["queue"].queue()
+    opened = []
+    failures: list[float] = []
+    applied: list[float] = []
+
+    def make_consumer(table: TableConfig) -> StreamConsumer:
+        opened.append(resources["clickhouse_target"].open_target())
+        target = _FailingWrites(opened[-1], failures) if table.name == "public.bad" else opened[-1]
+        made = StreamConsumer(shared, target, TableConfig(name=table.name, on_error="retry"),
+                              lambda: pytest.fail("no Spark for small batches"),
+                              StreamingConfig(batch_max_wait_seconds=0.05), source=None,
+                              retry=RetryPolicy(attempts=3, initial_wait_seconds=1.5, max_wait_seconds=1.5))
+        made.idle_pull_seconds = 0.5
+        made.pipelined = False
+        return made
+
+    def on_batch(report: BatchReport) -> None:
+        applied.append(time.monotonic())
+
+    def on_failure(failure: TableFailure) -> None:
+        runner.stop()  # the bad table used up its attempts
+
+    def feed_good_table() -> None:
+        # Once the bad table failed its first attempt and waits to retry, the good table gets changes.
+        deadline = time.monotonic() + 30
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        publish(nats_url, unique_name, [package([insert(0x510 + i, str(i), f"good {i}", str(i))], table="good")
+                                        for i in range(3)], table="good")
+
+    runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, on_failure, apply_threads=1)
+    feeder = threading.Thread(target=feed_good_table, daemon=True)
+    feeder.start()
+    summary = runner.run()
+    feeder.join(5)
+    assert len(failures) == 3
+    assert summary.tables["public.good"].events == 3
+    # The good table's batch was applied while the bad one waited between its attempts, not after.
+    assert applied and failures[0] < applied[0] < failures[-1]
     for target in opened:
         target.close()
