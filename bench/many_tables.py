@@ -2,7 +2,7 @@
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
                                 [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
-                                [--instance-storage sqlite|postgres]
+                                [--instance-storage sqlite|postgres] [--faults]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
@@ -27,6 +27,9 @@ Figures:
   drained, every table's rows (PostgreSQL's text of every column) against the `_current` view.
 With --instance-storage postgres Dagster keeps its runs and events in a database of the same
 PostgreSQL (as a production instance does) instead of SQLite files under DAGSTER_HOME.
+With --faults the streaming runs are killed (kill -9) a third into the steady phase and the producer
+two thirds in (and started again); the sensor starts the runs again, and the drain waits up to 7
+minutes before every table is compared.
 With --groups N the tables are dealt over N streaming runs (`streaming.groups`); the batch figures
 (batches/s, phases) are then those of the one run that serves /metrics.
 Ends with one JSON line.
@@ -38,7 +41,9 @@ import argparse
 import os
 import random
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -134,7 +139,8 @@ def create_tables(dsn: str, names: list[str]) -> None:
 
 def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
                  run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float,
-                 driver_decode_max_bytes: int | None = None, groups: int = 1) -> None:
+                 driver_decode_max_bytes: int | None = None, groups: int = 1,
+                 idle_packages_per_second: float | None = None) -> None:
     # Groups beyond the first take every groups-th table (a share of the hot and the quiet ones
     # each); the first group is the run of the tables no group names.
     named = {f"part{g}": [f"public.{name}" for name in names[g::groups]] for g in range(1, groups)}
@@ -142,7 +148,9 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         "application_identifier": APPLICATION,
         "source": {"dsn": dsn},
         "queue": {"url": nats_url},
-        "producer": {"metrics_port": metrics_port, "status_interval_seconds": 0.5},
+        "producer": {"metrics_port": metrics_port, "status_interval_seconds": 0.5,
+                     **({"idle_flush_packages_per_second": idle_packages_per_second}
+                        if idle_packages_per_second else {})},
         "tables": [{"name": f"public.{name}"} for name in names],
         "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE}},
         "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60,
@@ -308,6 +316,32 @@ def cpu_seconds(pids: list[int]) -> float:
         except (OSError, IndexError, ValueError):
             continue
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Faults:
+    """kill -9 of the streaming runs a third into the steady phase, of the producer two thirds in."""
+
+    def __init__(self, seconds: float) -> None:
+        self.run_at = seconds / 3
+        self.producer_at = 2 * seconds / 3
+        self.done: list[str] = []
+
+    def inject(self, elapsed: float, dagster_pid: int, producer: subprocess.Popen,
+               restart: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+        """Does what is due at `elapsed` seconds; returns the producer process now running."""
+        if elapsed >= self.run_at and not any(d.startswith("streaming run") for d in self.done):
+            runs = [pid for pid in tree(dagster_pid) if role_of(pid) == "streaming run"]
+            for pid in runs:
+                os.kill(pid, signal.SIGKILL)
+            self.done.append(f"streaming run killed at {elapsed:.0f} s (pids {runs})")
+            print(f"  {self.done[-1]}", flush=True)
+        if elapsed >= self.producer_at and not any(d.startswith("producer") for d in self.done):
+            os.kill(producer.pid, signal.SIGKILL)
+            producer.wait()
+            producer = restart()
+            self.done.append(f"producer killed at {elapsed:.0f} s and started again")
+            print(f"  {self.done[-1]}", flush=True)
+        return producer
 
 
 def role_of(pid: int) -> str:
@@ -485,6 +519,12 @@ def main() -> int:
     parser.add_argument("--instance-storage", choices=("sqlite", "postgres"), default="sqlite",
                         help="Dagster's storage: the repository's dagster.yaml (SQLite under DAGSTER_HOME), or "
                              "a database of the benchmark's PostgreSQL, as a production instance keeps it")
+    parser.add_argument("--idle-packages-per-second", type=float, default=None,
+                        help="producer.idle_flush_packages_per_second (default: the producer's own)")
+    parser.add_argument("--faults", action="store_true",
+                        help="a third into the steady phase kill -9 the streaming runs, two thirds in the producer "
+                             "(started again at once); the sensor starts the runs again. The batch figures then "
+                             "cover the runs' restarts, and rows_differing is what matters")
     args = parser.parse_args()
     names = table_names(args.tables)
     load_before = os.getloadavg()[0]
@@ -495,7 +535,8 @@ def main() -> int:
         metrics_port = free_port()
         run_metrics_port = free_port()
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
-                     args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups)
+                     args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups,
+                     args.idle_packages_per_second)
         create_tables(stack.dsn, names)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
@@ -520,6 +561,11 @@ def main() -> int:
                     return False
 
             wait_until("producer", producing, 120, pid=producer.pid, log_path=directory / "producer.log")
+
+            def restart_producer() -> subprocess.Popen:
+                return start_process("siphon-producer", [sys.executable, "-m", "producer_service.cli", "run",
+                                                         "--config", str(config_path)],
+                                     directory / "producer-restarted.log", env=env)
             port = free_port()
             started = time.monotonic()
             dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-m", "siphon_dagster",
@@ -555,14 +601,18 @@ def main() -> int:
             steady_from = time.time()
             steady_changes = writer.changes
             steady_started = time.monotonic()
+            faults = Faults(args.seconds) if args.faults else None
             while time.monotonic() - steady_started < args.seconds:
+                if faults is not None:
+                    producer = faults.inject(time.monotonic() - steady_started, dagster.pid, producer, restart_producer)
                 sample()
                 if writer.error or poller.error:
                     raise RuntimeError(f"writer: {writer.error}; poller: {poller.error}")
                 time.sleep(SAMPLE_SECONDS)
             achieved_rate = (writer.changes - steady_changes) / (time.monotonic() - steady_started)
             cpu.stop()
-            batches_after = run_metrics(run_metrics_port)
+            # A run killed in the steady phase counts its batches from its restart: no figure of the phase.
+            batches_after = run_metrics(run_metrics_port) if faults is None else batches_before
             steady_batches = batches_after["batches"] - batches_before["batches"]
             steady_batch_seconds = batches_after["batch_seconds"] - batches_before["batch_seconds"]
             writer.stop.set()
@@ -570,7 +620,7 @@ def main() -> int:
             fresh = freshness(writer, poller, steady_from)
             with psycopg.connect(stack.dsn) as connection:
                 end = naming.parse_lsn(connection.execute("select pg_current_wal_lsn()::text").fetchone()[0])
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + (180 if faults is None else 420)  # a killed run's backlog too
             while time.monotonic() < deadline and not slot_caught_up(stack.dsn, end):
                 time.sleep(1)
             while time.monotonic() < deadline and not counts_match(config_path, names):
@@ -601,12 +651,13 @@ def main() -> int:
         "all_streaming_s": all_streaming if all_streaming is not None else float("nan"),
         "streaming_tables": streaming_tables, "rows_differing": differing, "ui_ready_s": ui_seconds,
         "drain_s": drained_seconds, "load_average_before": load_before,
-        "batches_per_s": steady_batches / args.seconds,
+        "batches_per_s": steady_batches / args.seconds if steady_batches else float("nan"),
         "batch_latency_mean_s": steady_batch_seconds / steady_batches if steady_batches else float("nan"),
         "lag_max_end_s": batches_after["lag_max_s"], "pending_end": batches_after["pending"],
         "batch_phase_mean_s": {phase: round((seconds - batches_before["phases"].get(phase, 0.0)) / steady_batches, 4)
                                for phase, seconds in batches_after["phases"].items()} if steady_batches else {},
         "cpu_cores": {role: round(cores, 3) for role, cores in sorted(cpu.cores.items(), key=lambda kv: -kv[1])},
+        "faults": faults.done if faults is not None else [],
     }
     print("\nprocesses on the Dagster side at the end:")
     for name in final_names:
