@@ -114,10 +114,17 @@ class StreamConsumer:
         self._last_schema: object = None
         self._first_message_at = 0.0  # when a group run's pull got its batch's first message
         self._stopping = threading.Event()
+        # The same request, for what waits on the event loop (a turn): set from stop() on any thread.
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._stop_requested: asyncio.Event | None = None
 
     def stop(self) -> None:
         """Asks the run to return after the batch in progress."""
         self._stopping.set()
+        loop, stop_requested = self._event_loop, self._stop_requested
+        if loop is not None and stop_requested is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nothing waits on it
+                loop.call_soon_threadsafe(stop_requested.set)
 
     def run(self, stop_when_drained: bool = False, max_batches: int | None = None,
             on_batch: Callable[[BatchReport], None] | None = None) -> RunSummary:
@@ -126,6 +133,9 @@ class StreamConsumer:
     async def run_async(self, stop_when_drained: bool = False, max_batches: int | None = None,
                         on_batch: Callable[[BatchReport], None] | None = None) -> RunSummary:
         summary = RunSummary()
+        self._event_loop, self._stop_requested = asyncio.get_running_loop(), asyncio.Event()
+        if self._stopping.is_set():
+            self._stop_requested.set()
         # A queue already connected is shared with other tables' consumers (a group run): its
         # owner closes it.
         owns_connection = not self.queue.is_connected
@@ -281,20 +291,40 @@ class StreamConsumer:
         # at 200 tables).
         if not first[-1].metadata.num_pending and not self._turns_contended():
             await asyncio.sleep(wait)
-        await self._take_turn()
+        if not await self._take_turn():
+            # Stopped while waiting for a turn: the first message stays unacknowledged, and the next
+            # run replays it in order (see _rewind_if_interrupted), so a run of hundreds of tables
+            # ends after the batches it is writing, not after one more batch of every table.
+            return []
         return first + await self._take_waiting(subscription, len(first), sum(len(m.data) for m in first))
 
     def _turns_contended(self) -> bool:
         return self.turns is not None and not self.pipelined and self.turns.locked()
 
-    async def _take_turn(self) -> None:
+    async def _take_turn(self) -> bool:
+        """Waits for a turn (in a group run); False when the run was stopped first."""
         self._turn_seconds = 0.0
         if self.turns is None or self.pipelined or self._turn_held:
-            return
+            return True
+        if self._stopping.is_set():
+            return False
         started = time.perf_counter()
-        await self.turns.acquire()
-        self._turn_held = True
+        acquiring = asyncio.ensure_future(self.turns.acquire())
+        stopped = asyncio.ensure_future(self._stop_requested.wait()) if self._stop_requested is not None else None
+        try:
+            await asyncio.wait({acquiring, *([stopped] if stopped else [])}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stopped is not None:
+                stopped.cancel()
+            if not acquiring.done():
+                acquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+            # A turn granted as the wait ended is held all the same, and given back with the batch
+            # (or by the loop's end, when this task was cancelled).
+            self._turn_held = not acquiring.cancelled()
         self._turn_seconds = time.perf_counter() - started
+        return self._turn_held
 
     async def _wait_without_turn(self, seconds: float) -> None:
         """A failed batch's wait before its retry, with its turn given back: a table whose target

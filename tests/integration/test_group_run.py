@@ -68,6 +68,13 @@ def group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, tables, in
     })
 
 
+def publish_backlogs(nats_url: str, application: str, names: list[str], count: int) -> None:
+    """`count` one-row packages on each table's subject."""
+    for name in names:
+        publish(nats_url, application, [package([insert(0x300 + i, str(i), f"{name} {i}", str(i))], table=name)
+                                         for i in range(count)], table=name)
+
+
 def test_a_failing_table_stops_alone_and_the_others_of_the_run_converge(request, nats_url, postgres_dsn,
                                                                         clickhouse_url, unique_name):
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["notes", "ones", "bad"])
@@ -155,16 +162,23 @@ class _Interrupt(BaseException):
     """What Dagster raises in a run it terminates (DagsterExecutionInterruptedError): no Exception."""
 
 
-class _InterruptOnWrite:
+class _WrappedTarget:
+    """A real target with one behaviour changed by a subclass; everything else is the target's."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner = inner
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+class _InterruptOnWrite(_WrappedTarget):
     """A real target whose first write raises an interrupt, as a terminated run's signal handler does
     in whatever frame the run is in."""
 
     def __init__(self, inner, writes_before: int) -> None:  # noqa: ANN001
-        self.inner = inner
+        super().__init__(inner)
         self.writes_left = writes_before
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self.inner, name)
 
     def apply_rows(self, table, rows):  # noqa: ANN001, ANN201
         if self.writes_left == 0:
@@ -177,9 +191,7 @@ def test_an_interrupt_in_one_table_ends_every_table_before_the_connection_closes
         request, nats_url, postgres_dsn, clickhouse_url, unique_name, caplog):
     names = [f"t{i}" for i in range(6)]
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
-    for name in names:  # a backlog: every table is busy pulling, writing and acking when the interrupt comes
-        publish(nats_url, unique_name, [package([insert(0x300 + i, str(i), f"{name} {i}", str(i))], table=name)
-                                        for i in range(60)], table=name)
+    publish_backlogs(nats_url, unique_name, names, 60)  # every table busy pulling, writing and acking
     resources = build_resources(config)
     shared = resources["queue"].queue()
     opened = []
@@ -205,15 +217,12 @@ def test_an_interrupt_in_one_table_ends_every_table_before_the_connection_closes
         target.close()
 
 
-class _SlowWrites:
+class _SlowWrites(_WrappedTarget):
     """A real target whose writes take a while longer, as a busy warehouse's do."""
 
     def __init__(self, inner, seconds: float) -> None:  # noqa: ANN001
-        self.inner = inner
+        super().__init__(inner)
         self.seconds = seconds
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self.inner, name)
 
     def apply_rows(self, table, rows):  # noqa: ANN001, ANN201
         time.sleep(self.seconds)
@@ -226,9 +235,7 @@ def test_a_group_run_takes_no_more_batches_at_once_than_it_writes(request, nats_
     messages, so what it takes is as fresh as can be; taken batches never queue for a thread."""
     names = [f"w{i}" for i in range(6)]
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
-    for name in names:
-        publish(nats_url, unique_name, [package([insert(0x400 + i, str(i), f"{name} {i}", str(i))], table=name)
-                                        for i in range(30)], table=name)
+    publish_backlogs(nats_url, unique_name, names, 30)
     resources = build_resources(config)
     shared = resources["queue"].queue()
     opened = []
@@ -271,15 +278,12 @@ def test_a_group_run_takes_no_more_batches_at_once_than_it_writes(request, nats_
         target.close()
 
 
-class _FailingWrites:
+class _FailingWrites(_WrappedTarget):
     """A real target whose writes fail, each failure noted with its time."""
 
     def __init__(self, inner, failures: list[float]) -> None:  # noqa: ANN001
-        self.inner = inner
+        super().__init__(inner)
         self.failures = failures
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self.inner, name)
 
     def apply_rows(self, table, rows):  # noqa: ANN001, ANN201
         self.failures.append(time.monotonic())
@@ -332,5 +336,50 @@ def test_a_batch_waiting_to_retry_gives_its_turn_to_the_other_tables(request, na
     assert summary.tables["public.good"].events == 3
     # The good table's batch was applied while the bad one waited between its attempts, not after.
     assert applied and failures[0] < applied[0] < failures[-1]
+    for target in opened:
+        target.close()
+
+
+def test_a_run_stopped_while_tables_wait_for_turns_ends_after_the_batches_it_is_writing(
+        request, nats_url, postgres_dsn, clickhouse_url, unique_name):
+    """A stop does not wait for one more batch of every table waiting for a turn; what they had
+    taken stays unacknowledged, and the next run applies it all."""
+    names = [f"s{i}" for i in range(6)]
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
+    publish_backlogs(nats_url, unique_name, names, 30)
+    resources = build_resources(config)
+    opened = []
+    applied: list[BatchReport] = []
+    stopped_after: list[int] = []
+
+    def run_once(stop_when_drained: bool) -> None:
+        shared = resources["queue"].queue()
+
+        def make_consumer(table: TableConfig) -> StreamConsumer:
+            opened.append(resources["clickhouse_target"].open_target())
+            made = StreamConsumer(shared, _SlowWrites(opened[-1], 0.3), table,
+                                  lambda: pytest.fail("no Spark for small batches"),
+                                  StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05), source=None)
+            if not stop_when_drained:
+                made.idle_pull_seconds = 5.0
+            made.pipelined = False
+            return made
+
+        def on_batch(report: BatchReport) -> None:
+            applied.append(report)
+            if not stop_when_drained and not stopped_after:
+                stopped_after.append(len(applied))
+                runner.stop()
+
+        runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, lambda failure: None,
+                             apply_threads=1)
+        runner.run(stop_when_drained=stop_when_drained)
+
+    run_once(stop_when_drained=False)
+    # One turn: at most the batch being written when the stop came, and the one holding the turn.
+    assert len(applied) - stopped_after[0] <= 1, [r.table for r in applied]
+    run_once(stop_when_drained=True)
+    for name in names:
+        assert len(rows_of(opened[-1], name)) == 30, name
     for target in opened:
         target.close()
