@@ -45,6 +45,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -429,6 +430,18 @@ def freshness(writer: Writer, poller: Poller, after: float) -> list[float]:
     return samples
 
 
+def keep_logs(directory: Path) -> None:
+    """Copies the stack's and Dagster's logs (and the runs' output) out of the benchmark's temporary
+    directory, which is removed at the end: rows that differ need them to be explained."""
+    kept = Path(tempfile.mkdtemp(prefix="siphon-bench-logs-"))
+    for log in directory.rglob("*.log"):
+        shutil.copy(log, kept / f"{log.parent.name}-{log.name}")
+    runs_output = directory / "dagster_home" / "storage"
+    if runs_output.is_dir():
+        shutil.copytree(runs_output, kept / "runs-output")
+    print(f"rows differ: the logs are kept in {kept}", flush=True)
+
+
 def instance_database(dsn: str) -> str:
     """A database for Dagster's storage beside the source's, in the same cluster; its URL."""
     with psycopg.connect(dsn, autocommit=True) as connection:
@@ -628,6 +641,8 @@ def main() -> int:
                 time.sleep(2)
             drained_seconds = time.monotonic() - steady_started - args.seconds
             differing, problems = differing_rows(config_path)
+            if differing:
+                keep_logs(directory)
             final_pids = tree(dagster.pid)
             final_names = names_of(final_pids)
         finally:
