@@ -308,6 +308,10 @@ class StreamConsumer:
             return True
         if self._stopping.is_set():
             return False
+        if not self.turns.locked():  # a turn is free: taken without a task or a wait
+            await self.turns.acquire()
+            self._turn_held = True
+            return True
         started = time.perf_counter()
         acquiring = asyncio.ensure_future(self.turns.acquire())
         stopped = asyncio.ensure_future(self._stop_requested.wait()) if self._stop_requested is not None else None
