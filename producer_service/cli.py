@@ -70,6 +70,12 @@ async def run_until_stopped(config: SiphonConfig, accept_slot_loss: bool = False
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
 
+    def on_hangup() -> None:
+        if service is not None:
+            service.request_config_check()
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
+
     async def until_stopped(seconds: float) -> None:
         """tenacity's sleep between attempts: a stop request ends it at once."""
         try:
@@ -103,6 +109,8 @@ async def run_until_stopped(config: SiphonConfig, accept_slot_loss: bool = False
                     await service.run()
                     return 0
                 finally:
+                    # Tables added or removed while it streamed stay so after a reconnect.
+                    config = service.config
                     if service.recorded_slot_loss:
                         # The acknowledgement covered the loss just recorded, not one met later.
                         accept_slot_loss = False

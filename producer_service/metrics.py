@@ -76,6 +76,8 @@ class ProducerMetrics:
                                     "Server WAL end minus the LSN confirmed to PostgreSQL", registry=r)
         self.acked_lsn = Gauge("siphon_producer_last_acked_lsn", "Last LSN confirmed to PostgreSQL", registry=r)
         self.received_lsn = Gauge("siphon_producer_last_received_lsn", "Last WAL position received", registry=r)
+        self.configured_tables = Gauge("siphon_producer_configured_tables",
+                                       "Tables in the publication, as siphon.yaml lists them", registry=r)
         self.reconnects = Counter("siphon_producer_reconnects_total", "Reconnections to PostgreSQL", registry=r)
         self.slot_gaps = Counter("siphon_producer_slot_gaps_total",
                                  "Lost replication slots recorded as gaps on the queue, by reason", ["reason"],

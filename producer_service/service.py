@@ -19,12 +19,13 @@ import psycopg
 
 from producer_service import ownership
 from producer_service.changes import ChangeEncoder
+from producer_service.config_watch import ConfigWatcher, TableListChange
 from producer_service.connecting import connect_unless_stopped
 from producer_service.metrics import MetricsServer, ProducerMetrics
 from producer_service.packaging import OutgoingPackage, PackageLimits, Packager
 from producer_service.pgoutput import messages as m
 from producer_service.progress import ProgressTracker
-from producer_service.publication import check_replica_identities, ensure_publication
+from producer_service.publication import SourceSetupError, check_replica_identities, ensure_publication
 from producer_service.publisher import Publisher
 from producer_service.relations import RelationCatalog, RelationInfo
 from producer_service.slot_loss import SlotGuard
@@ -65,6 +66,9 @@ class ProducerService:
         self.confirmed_lsn = 0
         self._excluded = {(t.schema_name, t.table_name): set(t.exclude_columns) for t in config.tables}
         self._catalog: RelationCatalog | None = None
+        self._watcher = ConfigWatcher(config_path, config) if config_path else None
+        self._config_checked_at = 0.0
+        self._table_change_error: str | None = None
         self._queue: JetStreamQueue | None = None
         limits = PackageLimits(
             max_events=config.producer.max_package_events,
@@ -80,6 +84,12 @@ class ProducerService:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def request_config_check(self) -> None:
+        """Read siphon.yaml for table changes at the next turn of the loop (SIGHUP)."""
+        if self._watcher is not None:
+            self._watcher.request_check()
+            self._config_checked_at = 0.0
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -147,6 +157,7 @@ class ProducerService:
                                                      name=f"siphon-producer {config.application_identifier}")
             await self._connect_queue(self._queue)
             self._prepare_source(control)
+            self.metrics.configured_tables.set(len(self.config.tables))
             self._catalog = RelationCatalog(control, self._excluded)
             await self._secure_slot(control, self._queue)
             budget = config.producer.publish_retry_seconds
@@ -237,6 +248,9 @@ class ProducerService:
                 self._heartbeat(control)
             if now - self._gauges_at >= _GAUGE_SECONDS:
                 self._update_gauges()
+            if self._watcher is not None and producer.config_check_seconds \
+                    and now - self._config_checked_at >= producer.config_check_seconds:
+                self._check_config(control)
             if not batch:
                 await self._wait_readable(replication.fileno(), min(0.2, producer.flush_interval_seconds))
 
@@ -249,6 +263,45 @@ class ProducerService:
                 await asyncio.wait_for(readable, timeout)
         finally:
             loop.remove_reader(fileno)
+
+    # -- tables added and removed ----------------------------------------------------------------
+
+    def _check_config(self, control: psycopg.Connection[Any]) -> None:
+        assert self._watcher is not None
+        self._config_checked_at = time.monotonic()
+        change = self._watcher.poll()
+        if change is not None:
+            self._apply_table_change(control, change)
+
+    def _apply_table_change(self, control: psycopg.Connection[Any], change: TableListChange) -> None:
+        """The publication follows the new table list; a change that cannot be applied is retried
+        at every check, its error logged once."""
+        assert self._watcher is not None
+        added = [t for t in change.config.tables if t.name in change.added]
+        try:
+            check_replica_identities(control, added)
+            publication = ensure_publication(control, self.publication, change.config.tables)
+        except (SourceSetupError, psycopg.Error) as error:
+            message = " ".join(str(error).split())
+            if message != self._table_change_error:
+                log.error("siphon.yaml changed its tables, but the change cannot be applied yet; streaming goes "
+                          "on with the tables before it", added=",".join(change.added),
+                          removed=",".join(change.removed), error=message)
+                self._table_change_error = message
+            self._watcher.retry_later()
+            return
+        self._table_change_error = None
+        for table in added:
+            # Read by the catalog at the table's first Relation message, which follows this commit.
+            self._excluded[(table.schema_name, table.table_name)] = set(table.exclude_columns)
+        self._watcher.accept(change)
+        self.config = change.config
+        self.metrics.configured_tables.set(len(change.config.tables))
+        for name in publication.added:
+            log.warning("table added to the publication: its changes stream from now on; take its snapshot "
+                        "(the Dagster side loads a new table by itself)", table=name, publication=self.publication)
+        for name in publication.dropped:
+            log.info("table dropped from the publication", table=name, publication=self.publication)
 
     # -- publishing -----------------------------------------------------------------------------
 

@@ -220,6 +220,9 @@ class ProducerConfig(_Model):
     # How long the queue may fail every publish (or refuse a connection) before the producer drops
     # that connection; it then reconnects up to `connect_retries` times and exits 1.
     publish_retry_seconds: float = Field(default=120.0, gt=0)
+    # How often the producer reads siphon.yaml again for tables added or removed (SIGHUP: at once);
+    # 0: only at start.
+    config_check_seconds: float = Field(default=5.0, ge=0)
     # "exit" (default) or "wait" when another producer holds this application's lock.
     on_lock_held: str = "exit"
     slot_name: str | None = None

@@ -8,6 +8,7 @@ and runs the producer as a subprocess (`python -m producer_service.cli run`).
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -210,6 +211,76 @@ def test_a_table_added_to_the_configuration_joins_the_publication(app: Applicati
                         (app.publication,))
     assert published == [("first",), ("second",)]
     assert "table added to the publication" in producer.log() and app.qualified("second") in producer.log()
+
+
+def test_tables_added_and_removed_in_the_file_are_followed_without_a_restart(app: Application) -> None:
+    app.sql("create table {schema}.kept (id integer primary key)")
+    app.sql("create table {schema}.removed (id integer primary key)")
+    app.sql("create table {schema}.added (id integer primary key, secret text, n int)")
+    producer = app.producer(["kept", "removed"], config_check_seconds=0.5)
+    pid = producer.pid
+    app.sql("insert into {schema}.removed values (1)")
+    app.wait_for_events(1, "removed")
+
+    producer.config["tables"] = [{"name": app.qualified("kept")},
+                                 {"name": app.qualified("added"), "exclude_columns": ["secret"]}]
+    producer.write_config()
+    wait_until(lambda: execute(app.dsn, "select tablename from pg_publication_tables where pubname = %s order by 1",
+                               (app.publication,)) == [("added",), ("kept",)], 30, "the publication to follow the file")
+    app.sql("insert into {schema}.removed values (2)")
+    app.sql("insert into {schema}.added values (1, 'hunter2', 7)")
+    app.sql("insert into {schema}.kept values (1)")
+
+    added = app.wait_for_events(1, "added")
+    app.wait_for_events(1, "kept")
+    assert producer.pid == pid  # the same process
+    assert [e.new_row() for e in added] == [{"id": b"1", "n": b"7"}]
+    assert [e.new_row()["id"] for e in app.events("removed")] == [b"1"]  # nothing after its removal
+    assert "table added to the publication" in producer.log()
+    assert producer.metrics()["siphon_producer_configured_tables"] == 2
+
+
+def test_a_table_change_that_cannot_apply_yet_keeps_streaming_and_applies_once_it_can(app: Application) -> None:
+    app.sql("create table {schema}.kept (id integer primary key)")
+    producer = app.producer(["kept"], config_check_seconds=0.3)
+    producer.config["tables"].append({"name": app.qualified("later")})
+    producer.write_config()
+    wait_until(lambda: "cannot be applied yet" in producer.log(), 30, "the refused change to be logged")
+    app.sql("insert into {schema}.kept values (1)")
+    app.wait_for_events(1, "kept")  # still streaming the tables it had
+    assert producer.log().count("cannot be applied yet") == 1  # once, not at every check
+    assert f"table {app.qualified('later')}: does not exist" in producer.log()
+
+    app.sql("create table {schema}.later (id integer primary key)")
+    wait_until(lambda: ("later",) in execute(app.dsn, "select tablename from pg_publication_tables where pubname = %s",
+                                             (app.publication,)), 30, "the table to join once it exists")
+    app.sql("insert into {schema}.later values (5)")
+    assert [e.new_row()["id"] for e in app.wait_for_events(1, "later")] == [b"5"]
+
+
+def test_sighup_reads_the_file_at_once(app: Application) -> None:
+    app.sql("create table {schema}.first (id integer primary key)")
+    app.sql("create table {schema}.second (id integer primary key)")
+    producer = app.producer(["first"], config_check_seconds=3600)
+    producer.config["tables"].append({"name": app.qualified("second")})
+    producer.write_config()
+    time.sleep(1.0)
+    assert ("second",) not in execute(app.dsn, "select tablename from pg_publication_tables where pubname = %s",
+                                      (app.publication,))
+    producer.signal(signal.SIGHUP)
+    wait_until(lambda: ("second",) in execute(app.dsn, "select tablename from pg_publication_tables where pubname = %s",
+                                              (app.publication,)), 10, "SIGHUP to apply the change")
+
+
+def test_a_file_that_no_longer_loads_changes_nothing(app: Application) -> None:
+    app.sql("create table {schema}.first (id integer primary key)")
+    producer = app.producer(["first"], config_check_seconds=0.3)
+    Path(producer.config_path).write_text("tables: [this is not\n")
+    wait_until(lambda: "does not load" in producer.log(), 30, "the broken file to be reported")
+    app.sql("insert into {schema}.first values (1)")
+    app.wait_for_events(1, "first")
+    assert execute(app.dsn, "select tablename from pg_publication_tables where pubname = %s",
+                   (app.publication,)) == [("first",)]
 
 
 @pytest.mark.parametrize("identity", ["default", "full"])
