@@ -655,7 +655,10 @@ def load_config(path: str | os.PathLike[str]) -> SiphonConfig:
     return parse_config(raw, str(file))
 
 
-def load_config_from_environment(variable: str = "SIPHON_CONFIG") -> SiphonConfig:
+CONFIG_VARIABLE = "SIPHON_CONFIG"  # where the Dagster side and the CLIs find siphon.yaml
+
+
+def load_config_from_environment(variable: str = CONFIG_VARIABLE) -> SiphonConfig:
     path = os.environ.get(variable)
     if not path:
         raise ConfigError(f"{variable} is not set; point it at the application's siphon.yaml")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import dagster as dg
 
-from siphon_core.config import SiphonConfig, load_config_from_environment
+from siphon_core.config import CONFIG_VARIABLE, SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
 from siphon_dagster.checks.definitions import build_asset_checks, build_checks_job, build_checks_schedule
+from siphon_dagster.config_drift import ConfigDrift
 from siphon_dagster.gap_sensor import build_gap_sensor
 from siphon_dagster.group_jobs import build_group_stream_job
 from siphon_dagster.jobs import build_stream_job
@@ -38,7 +41,9 @@ def build_resources(config: SiphonConfig) -> dict[str, object]:
     return resources
 
 
-def build_definitions(config: SiphonConfig) -> dg.Definitions:
+def build_definitions(config: SiphonConfig, config_path: str | None = None) -> dg.Definitions:
+    """`config_path`: the file `config` was loaded from, which the streaming sensor watches for
+    changes this code location cannot serve until it is reloaded."""
     specs = table_specs(config)
     assets: list[object] = []
     for spec in specs:
@@ -64,7 +69,8 @@ def build_definitions(config: SiphonConfig) -> dg.Definitions:
         jobs=[*stream_jobs, *group_jobs.values(), *resync_job_list, checks_job],
         sensors=[
             build_partitions_sensor(specs, group),
-            build_streaming_sensor(groups, group, group_jobs, config.streaming.max_failures_before_backoff),
+            build_streaming_sensor(groups, group, group_jobs, config.streaming.max_failures_before_backoff,
+                                   drift=ConfigDrift(config_path, config) if config_path else None),
             build_gap_sensor(specs, group, resync_jobs),
             # New tables load, failed snapshot partitions run again, each table's state on its asset.
             build_snapshot_sensor(specs, group, config.snapshots, target_check_keys([*assets, *asset_checks])),
@@ -114,4 +120,4 @@ def _checks_after_resync(built: list[dg.Definitions], group: str):
 
 
 def load_definitions() -> dg.Definitions:
-    return build_definitions(load_config_from_environment())
+    return build_definitions(load_config_from_environment(), os.environ.get(CONFIG_VARIABLE))

@@ -11,6 +11,7 @@ import dagster as dg
 
 from siphon_dagster import source as source_db
 from siphon_dagster.assets import source_observation
+from siphon_dagster.config_drift import ConfigDrift
 from siphon_dagster.partitions import missing_keys
 from siphon_dagster.resources import NatsResource, PostgresResource
 from siphon_dagster.run_liveness import IN_PROGRESS, SNAPSHOT_RUN_TAG, dead_run_reason
@@ -159,8 +160,10 @@ def backoff_seconds(failures: int, threshold: int) -> float:
 
 
 def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: dict[str, dg.JobDefinition],
-                           failure_threshold: int, now=time.time) -> dg.SensorDefinition:
-    """`jobs` maps each group's key (`<target>:<group>`) to its group job."""
+                           failure_threshold: int, now=time.time, drift: ConfigDrift | None = None
+                           ) -> dg.SensorDefinition:
+    """`jobs` maps each group's key (`<target>:<group>`) to its group job; `drift`, when given,
+    tells whether siphon.yaml changed since the code location loaded."""
     application = groups[0].specs[0].tags[APPLICATION_TAG]
     by_key = {group.key: group for group in groups}
 
@@ -176,6 +179,10 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
     )
     def _streaming(context: dg.SensorEvaluationContext, queue: NatsResource) -> dg.SensorResult:
         state = json.loads(context.cursor) if context.cursor else {}
+        stale = drift.message() if drift is not None else None
+        if stale:
+            # The runs go on serving the tables as loaded: the file's new tables need their assets.
+            context.log.warning(stale)
         pending = _pending_counts(context, queue, groups)
         clock = now()
         live = _live_streaming_runs(context, application, clock)
@@ -212,6 +219,10 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
             requests.append(dg.RunRequest(job_name=job.name, tags={"siphon/started-by": "streaming-sensor"}))
         for name in set(state) - {jobs[group.key].name for group in groups}:
             del state[name]  # a group that no longer exists
+        if stale:
+            state["siphon.yaml"] = stale
+        else:
+            state.pop("siphon.yaml", None)
         return dg.SensorResult(run_requests=requests, cursor=json.dumps(state, sort_keys=True))
 
     return _streaming

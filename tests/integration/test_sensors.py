@@ -9,6 +9,7 @@ import time
 import dagster as dg
 import psycopg
 import pytest
+import yaml
 from dagster._core.test_utils import create_run_for_test
 from psycopg import sql
 
@@ -35,13 +36,17 @@ def config(postgres_dsn, nats_url, unique_name):
             sql.Identifier(unique_name, "grows")))
         connection.execute(sql.SQL("insert into {} select g, repeat('x', 200) from generate_series(1, 300) g")
                            .format(sql.Identifier(unique_name, "grows")))
-    return parse_config({
+    return parse_config(raw_config(postgres_dsn, nats_url, unique_name))
+
+
+def raw_config(postgres_dsn, nats_url, unique_name):
+    return {
         "application_identifier": unique_name,
         "source": {"dsn": postgres_dsn},
         "queue": {"url": nats_url},
         "tables": [{"name": f"{unique_name}.grows", "blocks_per_partition": 4}],
         "targets": {"clickhouse": {"url": "http://127.0.0.1:1"}},
-    })
+    }
 
 
 def sensor(defs, suffix):
@@ -434,3 +439,23 @@ def test_a_single_table_run_refuses_to_start_while_a_group_run_serves_its_table(
         failure = result.failure_data_for_node(f"apply_clickhouse_{spec.job_suffix}")
         message = failure.error.message
         assert live.run_id in message and "stream_clickhouse" in message and spec.qualified_name in message
+
+
+def test_streaming_sensor_says_when_the_file_lists_tables_the_location_does_not_serve(
+        config, tmp_path, postgres_dsn, nats_url, unique_name):
+    path = tmp_path / "siphon.yaml"
+    raw = raw_config(postgres_dsn, nats_url, unique_name)
+    path.write_text(yaml.safe_dump(raw))
+    defs = build_definitions(config, str(path))
+    with dg.instance_for_test() as instance:
+        quiet = tick(defs, config, instance, "_streaming")
+        assert "siphon.yaml" not in json.loads(quiet.cursor)
+
+        raw["tables"].append({"name": f"{config.tables[0].schema_name}.newcomer"})
+        path.write_text(yaml.safe_dump(raw))
+        result = tick(defs, config, instance, "_streaming", cursor=quiet.cursor)
+
+        stale = json.loads(result.cursor)["siphon.yaml"]
+        assert f"tables added: {config.tables[0].schema_name}.newcomer" in stale and "reload the code location" in stale
+        # The run of the tables it was loaded with is still requested.
+        assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]

@@ -123,3 +123,31 @@ def test_secrets_travel_as_references_and_never_reach_the_job_snapshots(monkeypa
         snapshot = serialize_value(job.get_job_snapshot())
         assert secret not in snapshot, job.name
     assert secret not in json.dumps([r.settings for r in resources.values()])
+
+
+def test_config_drift_names_added_and_removed_tables_and_quiets_once_the_file_is_back(tmp_path):
+    import yaml
+
+    from siphon_core.config import load_config
+    from siphon_dagster.config_drift import ConfigDrift
+
+    path = tmp_path / "siphon.yaml"
+    raw = {"application_identifier": "app.one", "source": {"dsn": "postgresql://u@127.0.0.1:5432/db"},
+           "queue": {"url": "nats://127.0.0.1:4222"}, "tables": [{"name": "public.a"}, {"name": "public.b"}],
+           "targets": {"clickhouse": {"url": "http://127.0.0.1:8123"}}}
+    path.write_text(yaml.safe_dump(raw))
+    drift = ConfigDrift(path, load_config(path))
+    assert drift.message() is None
+
+    path.write_text(yaml.safe_dump({**raw, "tables": [{"name": "public.a"}, {"name": "public.c"}]}))
+    message = drift.message()
+    assert message is not None and "tables added: public.c" in message and "tables removed: public.b" in message
+
+    path.write_text(yaml.safe_dump({**raw, "tables": [{"name": "public.a"}, {"name": "public.b", "on_error": "retry"}]}))
+    assert "table, group or target settings changed" in drift.message()
+
+    path.write_text("tables: [\n")
+    assert "does not load" in drift.message()
+
+    path.write_text(yaml.safe_dump(raw) + "\n")  # the same content again, another size
+    assert drift.message() is None
