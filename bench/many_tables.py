@@ -2,7 +2,7 @@
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
                                 [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
-                                [--instance-storage sqlite|postgres] [--faults]
+                                [--instance-storage sqlite|postgres] [--faults] [--change-tables]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
@@ -30,6 +30,10 @@ PostgreSQL (as a production instance does) instead of SQLite files under DAGSTER
 With --faults the streaming runs are killed (kill -9) a third into the steady phase and the producer
 two thirds in (and started again); the sensor starts the runs again, and the drain waits up to 7
 minutes before every table is compared.
+With --change-tables a table of 3,000 rows is created half-way through the steady phase and added to
+siphon.yaml while the last table is removed from it: the producer follows the file, the code
+location is reloaded through the webserver's GraphQL API (the UI's Reload), `siphon-dagster
+snapshot` loads the new table, and every table the file lists at the end is compared.
 With --groups N the tables are dealt over N streaming runs (`streaming.groups`); the batch figures
 (batches/s, phases) are then those of the one run that serves /metrics.
 Ends with one JSON line.
@@ -38,6 +42,7 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -158,7 +163,8 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
                       "max_batches_per_second": max_batches_per_second, "metrics_port": run_metrics_port,
                       "driver_decode_max_bytes": driver_decode_max_bytes, **({"groups": named} if named else {})},
         # The tables are created empty before the producer starts, so their streams hold every row
-        # and there is nothing to snapshot (bench/snapshot.py measures loads); the hourly checks
+        # and there is nothing to snapshot (bench/snapshot.py measures loads; a table added mid-run
+        # is loaded by `siphon-dagster snapshot`); the hourly checks
         # would land in the measured minutes only when they cross an hour.
         "snapshots": {"auto_load": False},
         "checks": {"enabled": False},
@@ -343,6 +349,86 @@ class Faults:
             self.done.append(f"producer killed at {elapsed:.0f} s and started again")
             print(f"  {self.done[-1]}", flush=True)
         return producer
+
+
+class TableChange:
+    """Half-way through the steady phase, as an operator adds and removes a table: a table with
+    rows is created and added to siphon.yaml and the last table removed from it; the producer
+    follows the file by itself, the code location is reloaded through the webserver's GraphQL API
+    (as the UI's Reload does) and `siphon-dagster snapshot` loads the new table (the benchmark's
+    tables start empty, with snapshots.auto_load off); the new table gets a few changes every
+    SAMPLE_SECONDS from then on."""
+
+    ADDED = "t_added"
+    ROWS = 3000
+
+    def __init__(self, seconds: float, config_path: Path, dsn: str, webserver_port: int, env: dict[str, str],
+                 log: Path) -> None:
+        self.at = seconds / 2
+        self.config_path, self.dsn, self.port, self.env, self.log = config_path, dsn, webserver_port, env, log
+        self.snapshot: subprocess.Popen | None = None
+        self.thread: threading.Thread | None = None
+        self.created = threading.Event()
+        self.done: list[str] = []
+        self.reload_seconds = float("nan")
+        self.removed: str | None = None
+
+    def step(self, elapsed: float) -> None:
+        if elapsed < self.at:
+            return
+        if self.thread is None:  # the reload takes a while: the faults and samples go on meanwhile
+            self.thread = threading.Thread(target=self._change_reporting, args=(elapsed,), name="table-change",
+                                           daemon=True)
+            self.thread.start()
+        if self.created.is_set():
+            with psycopg.connect(self.dsn, autocommit=True) as connection:
+                connection.execute(f"select bench_tick(array['{self.ADDED}'], array[5], array[2], array[1])")
+
+    def _change_reporting(self, elapsed: float) -> None:
+        try:
+            self._change(elapsed)
+        except Exception as error:  # reported with the figures; the comparison at the end still runs
+            self.done.append(f"the table change failed: {error!r}")
+            print(f"  {self.done[-1]}", flush=True)
+
+    def _change(self, elapsed: float) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as connection:
+            connection.execute(NOTES.format(name=self.ADDED))
+            connection.execute(f"insert into {self.ADDED} (k) select g from generate_series(1, {self.ROWS}) g")
+        self.created.set()
+        config = yaml.safe_load(self.config_path.read_text())
+        self.removed = config["tables"].pop()["name"]
+        config["tables"].append({"name": f"public.{self.ADDED}"})
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        started = time.monotonic()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/graphql", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"query": "mutation { reloadRepositoryLocation(repositoryLocationName: "
+                                      '"siphon_dagster") { __typename } }'}).encode())
+        with urllib.request.urlopen(request, timeout=600) as response:
+            answer = json.loads(response.read())
+        self.reload_seconds = time.monotonic() - started
+        kind = answer.get("data", {}).get("reloadRepositoryLocation", {}).get("__typename")
+        self.done.append(f"at {elapsed:.0f} s public.{self.ADDED} ({self.ROWS} rows) added and {self.removed} removed; "
+                         f"code location reloaded in {self.reload_seconds:.0f} s ({kind})")
+        print(f"  {self.done[-1]}", flush=True)
+        self.snapshot = start_process("siphon-dagster snapshot", [
+            str(Path(sys.executable).parent / "siphon-dagster"), "snapshot", "--table", f"public.{self.ADDED}"],
+            self.log, env=self.env, cwd=Path(self.env["DAGSTER_HOME"]))
+
+    def finish(self, timeout: float) -> None:
+        """Waits for the reload and the snapshot command; records how they ended."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if self.snapshot is None:
+            return
+        try:
+            code = self.snapshot.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop_pid(self.snapshot.pid)
+            code = "stopped: still running"
+        self.done.append(f"siphon-dagster snapshot of public.{self.ADDED} ended: {code}")
+        print(f"  {self.done[-1]}", flush=True)
 
 
 def role_of(pid: int) -> str:
@@ -538,6 +624,10 @@ def main() -> int:
                         help="a third into the steady phase kill -9 the streaming runs, two thirds in the producer "
                              "(started again at once); the sensor starts the runs again. The batch figures then "
                              "cover the runs' restarts, and rows_differing is what matters")
+    parser.add_argument("--change-tables", action="store_true",
+                        help="half-way through the steady phase add a table of 3,000 rows to siphon.yaml and remove "
+                             "one, reload the code location and load the new table with `siphon-dagster snapshot`; "
+                             "every table the file lists at the end is compared")
     args = parser.parse_args()
     names = table_names(args.tables)
     load_before = os.getloadavg()[0]
@@ -615,9 +705,13 @@ def main() -> int:
             steady_changes = writer.changes
             steady_started = time.monotonic()
             faults = Faults(args.seconds) if args.faults else None
+            change = TableChange(args.seconds, config_path, stack.dsn, port, env,
+                                 directory / "snapshot.log") if args.change_tables else None
             while time.monotonic() - steady_started < args.seconds:
                 if faults is not None:
                     producer = faults.inject(time.monotonic() - steady_started, dagster.pid, producer, restart_producer)
+                if change is not None:
+                    change.step(time.monotonic() - steady_started)
                 sample()
                 if writer.error or poller.error:
                     raise RuntimeError(f"writer: {writer.error}; poller: {poller.error}")
@@ -625,7 +719,7 @@ def main() -> int:
             achieved_rate = (writer.changes - steady_changes) / (time.monotonic() - steady_started)
             cpu.stop()
             # A run killed in the steady phase counts its batches from its restart: no figure of the phase.
-            batches_after = run_metrics(run_metrics_port) if faults is None else batches_before
+            batches_after = run_metrics(run_metrics_port) if faults is None and change is None else batches_before
             steady_batches = batches_after["batches"] - batches_before["batches"]
             steady_batch_seconds = batches_after["batch_seconds"] - batches_before["batch_seconds"]
             writer.stop.set()
@@ -636,7 +730,10 @@ def main() -> int:
             deadline = time.monotonic() + (180 if faults is None else 420)  # a killed run's backlog too
             while time.monotonic() < deadline and not slot_caught_up(stack.dsn, end):
                 time.sleep(1)
-            while time.monotonic() < deadline and not counts_match(config_path, names):
+            if change is not None:
+                change.finish(max(0.0, deadline - time.monotonic()))
+            compared = [t.name.removeprefix("public.") for t in load_config(config_path).tables]
+            while time.monotonic() < deadline and not counts_match(config_path, compared):
                 sample()
                 time.sleep(2)
             drained_seconds = time.monotonic() - steady_started - args.seconds
@@ -672,7 +769,8 @@ def main() -> int:
         "batch_phase_mean_s": {phase: round((seconds - batches_before["phases"].get(phase, 0.0)) / steady_batches, 4)
                                for phase, seconds in batches_after["phases"].items()} if steady_batches else {},
         "cpu_cores": {role: round(cores, 3) for role, cores in sorted(cpu.cores.items(), key=lambda kv: -kv[1])},
-        "faults": faults.done if faults is not None else [],
+        "faults": (faults.done if faults is not None else []) + (change.done if change is not None else []),
+        "tables_compared": len(compared),
     }
     print("\nprocesses on the Dagster side at the end:")
     for name in final_names:
