@@ -2,6 +2,7 @@
 through a temporary stage (Parquet, PUT, COPY INTO), as change batches and as one snapshot range.
 
     python bench/snowflake_load.py [--rows 100000] [--batch-rows 10000] [--insert-rows 10000]
+                                   [--small-batches 100] [--small-batch-rows 10]
 
 1. A notes-shaped table (30 columns) of N rows in PostgreSQL, read once as COPY text (under the
    session settings the producer pins) and parsed into change batches of `--batch-rows` rows,
@@ -12,6 +13,9 @@ through a temporary stage (Parquet, PUT, COPY INTO), as change batches and as on
    rewritten), each timed, with the statements each load ran. The target must hold every row.
    The INSERT path takes only the first `--insert-rows` rows (one batch by default): fakesnow runs
    a 500-row INSERT of 32 columns in seconds, so 100,000 rows that way would take most of an hour.
+3. Small change batches, as a run serving many tables mostly writes (`--small-batches` of
+   `--small-batch-rows` rows): sent as the VALUES of their MERGE, one statement, against the same
+   batches through a staging table filled by INSERT.
 The reference is the other path on the same server in the same run. fakesnow runs each statement
 in an embedded DuckDB on this machine, so its times are not Snowflake's; the statements per batch
 are the same on Snowflake, where each costs a round trip and a warehouse's compile. Ends with one
@@ -32,6 +36,7 @@ from common import NOTES_INSERT_SELECT, create_notes_table, print_json, print_ta
 
 from siphon_core.config import SnowflakeTargetConfig, TableConfig
 from siphon_dagster import source
+from siphon_dagster.targets import snowflake as snowflake_target
 from siphon_dagster.targets.base import TableSchema, change_batch_schema
 from siphon_dagster.targets.copy_text import iter_copy_rows
 from siphon_dagster.targets.snowflake import SnowflakeTarget
@@ -88,20 +93,40 @@ def change_batches(table: TableSchema, chunks: list[bytes], batch_rows: int) -> 
     return batches
 
 
+def apply_batches(target: SnowflakeTarget, table: TableSchema, batches: list[pa.Table], path: str) -> Load:
+    statements = []
+    started = time.perf_counter()
+    for batch in batches:
+        batch_started = time.perf_counter()
+        target.apply_rows(table, batch)
+        assert target.last_load_path == path, target.last_load_path
+        print(f"{path}: {batch.num_rows} rows in {time.perf_counter() - batch_started:.2f}s", file=sys.stderr)
+        statements.append(target.last_load_statements)
+    return Load(sum(b.num_rows for b in batches), time.perf_counter() - started, statements)
+
+
+def measure_small(config: SnowflakeTargetConfig, table: TableSchema, batches: list[pa.Table], path: str) -> Load:
+    """Small change batches as VALUES (path `values`) or through a staging table (`insert`)."""
+    values_max_rows = snowflake_target.VALUES_MAX_ROWS
+    if path == "insert":
+        snowflake_target.VALUES_MAX_ROWS = 0
+    target = SnowflakeTarget(config.model_copy(update={"schema_": f"BENCH_SMALL_{path.upper()}"}))
+    try:
+        target.ensure_table(table)
+        load = apply_batches(target, table, batches, path)
+        assert target.count_current(table) == load.rows, "the target lost rows"
+        return load
+    finally:
+        target.close()
+        snowflake_target.VALUES_MAX_ROWS = values_max_rows
+
+
 def measure(config: SnowflakeTargetConfig, table: TableSchema, batches: list[pa.Table], chunks: list[bytes],
             path: str) -> tuple[Load, Load]:
     target = SnowflakeTarget(config)
     try:
         target.ensure_table(table)
-        statements = []
-        started = time.perf_counter()
-        for batch in batches:
-            batch_started = time.perf_counter()
-            target.apply_rows(table, batch)
-            assert target.last_load_path == path, target.last_load_path
-            print(f"{path}: {batch.num_rows} rows in {time.perf_counter() - batch_started:.2f}s", file=sys.stderr)
-            statements.append(target.last_load_statements)
-        stream = Load(sum(b.num_rows for b in batches), time.perf_counter() - started, statements)
+        stream = apply_batches(target, table, batches, path)
         started = time.perf_counter()
         count = target.apply_copy_text(table, iter(chunks), version=10**15)
         snapshot = Load(count, time.perf_counter() - started, [target.last_load_statements])
@@ -117,6 +142,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--batch-rows", type=int, default=10_000)
     parser.add_argument("--insert-rows", type=int, default=10_000)
+    parser.add_argument("--small-batches", type=int, default=100)
+    parser.add_argument("--small-batch-rows", type=int, default=10)
     args = parser.parse_args()
     with services(nats=False) as started:
         table, chunks, insert_chunks = read_source(started.dsn, args.rows, min(args.rows, args.insert_rows))
@@ -135,6 +162,10 @@ def main() -> int:
                     schema=f"BENCH_{path.upper()}", stage_min_rows=min_rows)
                 load_average = os.getloadavg()[0]
                 results[path] = (*measure(config, table, *inputs[path], path), load_average)
+            small_rows = min(args.rows, args.small_batches * args.small_batch_rows)
+            small_batches = change_batches(table, insert_chunks, args.small_batch_rows)[:args.small_batches]
+            small = {path: measure_small(config.model_copy(update={"stage_min_rows": 1000}), table, small_batches,
+                                         path) for path in ("values", "insert")}
         finally:
             FakesnowServer.stop(pid)
     (insert_stream, insert_snapshot, insert_load), (stage_stream, stage_snapshot, stage_load) = results.values()
@@ -153,6 +184,12 @@ def main() -> int:
             ("snapshot range: rows/s, stage", f"{stage_snapshot.rows_per_s:,.0f}",
              f"insert: {insert_snapshot.rows_per_s:,.0f}"),
             ("snapshot range: stage / insert", f"{stage_snapshot.rows_per_s / insert_snapshot.rows_per_s:.2f}", ""),
+            (f"{len(small_batches)} batches of {args.small_batch_rows}: statements per batch, values",
+             small["values"].statements_text, f"insert: {small['insert'].statements_text}"),
+            (f"{len(small_batches)} batches of {args.small_batch_rows}: batches/s, values",
+             f"{len(small_batches) / small['values'].seconds:,.1f}",
+             f"insert: {len(small_batches) / small['insert'].seconds:,.1f}"),
+            ("small batches: values / insert", f"{small['insert'].seconds / small['values'].seconds:.2f}", ""),
         ],
     )
     print_json({
@@ -162,6 +199,11 @@ def main() -> int:
         "stage_snapshot_statements": stage_snapshot.statements[0],
         "insert_snapshot_statements": insert_snapshot.statements[0],
         "stage_snapshot_rows_per_s": stage_snapshot.rows_per_s, "insert_snapshot_rows_per_s": insert_snapshot.rows_per_s,
+        "small_batches": len(small_batches), "small_rows": small_rows,
+        "values_batch_statements": max(small["values"].statements),
+        "small_insert_batch_statements": max(small["insert"].statements),
+        "values_batches_per_s": len(small_batches) / small["values"].seconds,
+        "small_insert_batches_per_s": len(small_batches) / small["insert"].seconds,
         "load_average": max(insert_load, stage_load),
     })
     return 0

@@ -34,6 +34,10 @@ from siphon_dagster.targets.type_mapping import mapping_for, snowflake_type
 # Rows per INSERT ... VALUES statement into the stage, and an upper bound on its bind parameters.
 STAGE_ROWS_PER_STATEMENT = 1000
 MAX_BINDS_PER_STATEMENT = 16000
+# A batch of at most this many rows (and MAX_BINDS_PER_STATEMENT values) goes in its MERGE's
+# VALUES: one statement per target, where a staging table costs a CREATE, an INSERT and a DROP
+# more, each a round trip and a compile. Most batches of a run serving many tables are this small.
+VALUES_MAX_ROWS = 100
 
 _log = get_logger("targets.snowflake")
 
@@ -251,6 +255,18 @@ class SnowflakeTarget(SqlTarget):
     def _create_load_stage(self, name: str) -> None:
         self._statements += 1
         self._connect().cursor().execute(stage.create_stage(name))
+
+    def _write_batch(self, names: TableNames, rows: pa.Table, targets: Sequence[str]) -> None:
+        width = len(names.table.columns) + 2
+        limit = min(VALUES_MAX_ROWS, MAX_BINDS_PER_STATEMENT // width, self.config.stage_min_rows - 1)
+        if rows.num_rows > limit:
+            super()._write_batch(names, rows, targets)
+            return
+        params = [value for row in stage.staged_rows([stage.staging_batch(names.table, rows)]) for value in row]
+        source = sql.values_source(names.table, rows.num_rows)
+        self.last_load_path = stage.VALUES_PATH
+        self._write_each(names, targets, lambda target: self._execute(
+            names, "merging a batch", sql.merge(target, source, names.table), params))
 
     def _load_batch(self, names: TableNames, staging: str, rows: pa.Table) -> None:
         self._fill_staging_table(names, staging, [stage.staging_batch(names.table, rows)])

@@ -164,11 +164,18 @@ def insert_stage(stage: str, table: TableSchema, rows: int) -> str:
     return f"INSERT INTO {stage} ({names}) VALUES " + ", ".join([row] * rows)
 
 
+def values_source(table: TableSchema, rows: int, alias: str = "v") -> str:
+    """`rows` rows of bind parameters named as a staging table's columns, to MERGE from directly."""
+    row = "(" + ", ".join(["?"] * (len(table.columns) + 2)) + ")"
+    names = ", ".join(quote(name) for name in staging_names(table))
+    return f"(VALUES {', '.join([row] * rows)}) AS {quote(alias)} ({names})"
+
+
 def merge(target: str, stage: str, table: TableSchema) -> str:
     """Version-guarded upsert of a staged batch: a row replaces the stored one only if newer.
 
-    Within the batch only the newest version of each key takes part (Snowflake refuses a MERGE in
-    which two source rows update one target row). A tombstone is an ordinary newer version with
+    `stage` is a staging table, or `values_source`'s rows. Within the batch only the newest version
+    of each key takes part (Snowflake refuses a MERGE in which two source rows update one target row). A tombstone is an ordinary newer version with
     `_siphon_deleted` true, so an older change applied later never revives a deleted row.
     """
     converted = [

@@ -23,9 +23,11 @@ from siphon_dagster.targets.base import TableSchema
 from siphon_dagster.targets.snowflake_sql import quote
 from siphon_dagster.targets.sql_dialect import staging_names
 
-# How a batch reached the staging table (a target's `last_load_path`).
+# How a batch reached the target (a target's `last_load_path`): through a staging table filled
+# from Parquet files or by INSERT, or as the VALUES of its MERGE.
 STAGE_PATH = "stage"
 INSERT_PATH = "insert"
+VALUES_PATH = "values"
 
 # Rows per Parquet row group, and per Arrow batch built from COPY text.
 ROWS_PER_GROUP = 50_000

@@ -84,12 +84,18 @@ def copy_text(count: int, first: int = 0) -> bytes:
     return b"".join(f"{first + i}\tsnap {first + i}\t{i}\n".encode() for i in range(count))
 
 
-def test_tiny_batches_use_insert_and_larger_ones_a_stage(request: pytest.FixtureRequest, unique_name: str) -> None:
-    """At the default `stage_min_rows` (1000), 999 rows are inserted, 1000 go through the stage; a
-    stage load runs the same statements whatever its size."""
-    target = make_target(request, "snowflake", unique_name, stage_min_rows=1000)
+def test_tiny_batches_go_as_values_small_ones_by_insert_and_larger_ones_a_stage(
+        request: pytest.FixtureRequest, unique_name: str) -> None:
+    """At the default `stage_min_rows` (1000): up to 100 rows go as the VALUES of the MERGE (the
+    resync-table lookup and the MERGE), 999 are inserted into a staging table, 1000 go through
+    the stage; a stage load runs the same statements whatever its size."""
+    target = make_target(request, "snowflake_values", unique_name, stage_min_rows=1000)
     assert target.config.stage_min_rows == 1000
     target.ensure_table(NOTES)
+    target.apply_rows(NOTES, numbered_rows(100, first=50_000))
+    assert (target.last_load_path, target.last_load_statements) == ("values", 2)
+    target.apply_rows(NOTES, numbered_rows(101, first=50_100))
+    assert (target.last_load_path, target.last_load_statements) == ("insert", 5)
     target.apply_rows(NOTES, numbered_rows(999))
     assert target.last_load_path == "insert"
     target.apply_rows(NOTES, numbered_rows(1000, first=999))
@@ -104,7 +110,7 @@ def test_tiny_batches_use_insert_and_larger_ones_a_stage(request: pytest.Fixture
     assert target.last_load_path == "insert"
     assert target.apply_copy_text(NOTES, iter([copy_text(1000, first=40_000)]), 1) == 1000
     assert target.last_load_path == "stage"
-    assert target.count_current(NOTES) == 999 + 1000 + 1000 + 20_000 + 999 + 1000
+    assert target.count_current(NOTES) == 100 + 101 + 999 + 1000 + 1000 + 20_000 + 999 + 1000
     target.close()
 
 

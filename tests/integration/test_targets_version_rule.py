@@ -1,6 +1,7 @@
 """The version rule at every target: the same scenarios, applied through the Target interface, for
 ClickHouse (embedded server) and Snowflake (fakesnow server), the latter loading every batch once
-with INSERT (`snowflake`) and once through a stage and COPY (`snowflake_stage`).
+with INSERT into a staging table (`snowflake`), once as the VALUES of its MERGE (`snowflake_values`)
+and once through a stage and COPY (`snowflake_stage`).
 
 A scenario is a list of steps, each a change batch, a snapshot (COPY text) or a truncate, followed
 by the current rows the target must show, as PostgreSQL text.
@@ -16,12 +17,13 @@ import pyarrow as pa
 import pytest
 
 from siphon_core.config import parse_config
-from siphon_dagster.targets import build_target, clickhouse
+from siphon_dagster.targets import build_target, clickhouse, snowflake
 from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, TargetError, change_batch_schema
 
-TARGETS = ["clickhouse", "clickhouse_external", "clickhouse_staged", "snowflake", "snowflake_stage"]
-# How each Snowflake variant loads a batch: `stage_min_rows` sends every batch one way.
-SNOWFLAKE_LOADS = {"snowflake": ("insert", 10**9), "snowflake_stage": ("stage", 0)}
+TARGETS = ["clickhouse", "clickhouse_external", "clickhouse_staged", "snowflake", "snowflake_values", "snowflake_stage"]
+# How each Snowflake variant loads a batch: `stage_min_rows` sends every batch one way (and
+# `snowflake` has the VALUES path turned off, see `make_target`).
+SNOWFLAKE_LOADS = {"snowflake": ("insert", 10**9), "snowflake_values": ("values", 10**9), "snowflake_stage": ("stage", 0)}
 # Statements of a ClickHouse change batch: the resync table's lookup and one insert into the live
 # table's landing (`clickhouse`). Without a landing (a resync's shadow table, a target that did not
 # ensure the table): one INSERT with the batch as its external table (`clickhouse_external`), or
@@ -52,6 +54,8 @@ def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str)
 def make_target(request: pytest.FixtureRequest, name: str, unique_name: str, **settings: object) -> Target:
     """A target whose database (ClickHouse) or schema (Snowflake) belongs to this test alone;
     `settings` override its siphon.yaml keys."""
+    if name == "snowflake":  # the staging table filled by INSERT, whatever the batch's size
+        request.getfixturevalue("monkeypatch").setattr(snowflake, "VALUES_MAX_ROWS", 0)
     kind = "snowflake" if name.startswith("snowflake") else "clickhouse"
     config = parse_config(
         {"application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"}, "tables": [{"name": "public.t"}],
@@ -60,10 +64,12 @@ def make_target(request: pytest.FixtureRequest, name: str, unique_name: str, **s
     return build_target(kind, config)
 
 
-def assert_load_path(target: Target, variant: str) -> None:
-    """A Snowflake variant loaded its last batch the way it is set to."""
+def assert_load_path(target: Target, variant: str, snapshot: bool = False) -> None:
+    """A Snowflake variant loaded its last batch the way it is set to (a snapshot range never goes
+    as VALUES: the staging table's INSERT instead)."""
     if variant in SNOWFLAKE_LOADS:
-        assert target.last_load_path == SNOWFLAKE_LOADS[variant][0]  # type: ignore[attr-defined]
+        path = SNOWFLAKE_LOADS[variant][0]
+        assert target.last_load_path == ("insert" if snapshot and path == "values" else path)  # type: ignore[attr-defined]
 
 
 @pytest.fixture(params=TARGETS)
@@ -79,8 +85,7 @@ def target(request: pytest.FixtureRequest, unique_name: str, monkeypatch: pytest
 
 @pytest.fixture
 def variant(request: pytest.FixtureRequest) -> str:
-    """The `target` parameter of this test: clickhouse, clickhouse_external, clickhouse_staged, snowflake or
-    snowflake_stage."""
+    """The `target` parameter of this test: one of TARGETS."""
     return request.node.callspec.params["target"]
 
 
@@ -191,7 +196,7 @@ def run_steps(target: Target, table: TableSchema, steps: list, variant: str = ""
                 assert target.last_load_statements == CLICKHOUSE_BATCH_STATEMENTS[variant]  # type: ignore[attr-defined]
         elif isinstance(step, Snapshot):
             target.apply_copy_text(table, iter([step.copy_text]), step.version)
-            assert_load_path(target, variant)
+            assert_load_path(target, variant, snapshot=True)
         else:
             current_before = target.count_current(table)
             assert target.tombstone_all(table, step.version) == current_before
@@ -230,7 +235,7 @@ def test_composite_key_and_awkward_identifiers(target: Target, variant: str) -> 
     target.apply_rows(AWKWARD, batch(AWKWARD, rows))
     target.apply_rows(AWKWARD, batch(AWKWARD, [("c'd", "1", None, None, None, 13, True)]))
     target.apply_copy_text(AWKWARD, iter([b"a b\t2\tsnap\t-0\tt\n", b"e\\tf\t3\tx\\\\y\t1e+300\t\\N\n"]), 12)
-    assert_load_path(target, variant)
+    assert_load_path(target, variant, snapshot=True)
     assert target.current_rows_as_text(AWKWARD) == [
         ("a b", "1", "first", "1.5", "t"),
         ("a b", "2", "snap", "-0", "t"),
@@ -275,7 +280,7 @@ def test_resync_through_shadow_keeps_the_view_readable(target: Target, variant: 
     target.create_shadow(NOTES)
     # The resync's snapshot goes to the shadow only; the stream meanwhile writes to both.
     target.apply_copy_text(NOTES, iter([b"2\tkept\t2\n3\tnew\t3\n"]), 20, shadow=True)
-    assert_load_path(target, variant)
+    assert_load_path(target, variant, snapshot=True)
     target.apply_rows(NOTES, batch(NOTES, [row(3, "streamed", 4, 30)]))
     assert_load_path(target, variant)
     assert target.current_rows_as_text(NOTES) == [("1", "drifted", "1"), ("2", "kept", "2"), ("3", "streamed", "4")]

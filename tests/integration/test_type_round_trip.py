@@ -240,7 +240,7 @@ def test_snapshot_path_round_trips_every_type(source: Source, target: Target, va
     table = source.schema_for("all_types_copy")
     target.ensure_table(table)
     assert target.apply_copy_text(table, rechunked(source.copy_chunks(), 97), version=1) == ROW_COUNT
-    assert_load_path(target, variant)
+    assert_load_path(target, variant, snapshot=True)
     assert_same_text(table, target.current_rows_as_text(table), source.text_rows())
 
 
@@ -276,7 +276,7 @@ def test_random_floats_round_trip(postgres_dsn: str, target: Target, variant: st
     table = source.schema_for("floats")
     target.ensure_table(table)
     target.apply_copy_text(table, iter(source.copy_chunks()), version=1)
-    assert_load_path(target, variant)
+    assert_load_path(target, variant, snapshot=True)
     assert_same_text(table, target.current_rows_as_text(table), source.text_rows())
     source.connection.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(unique_name)))
     source.connection.close()
