@@ -37,6 +37,7 @@ from siphon_stack.clickhouse.sql import (
     find_inline_insert,
     leading_keyword,
     output_format,
+    query_inline_insert,
 )
 
 # How much of a body is scanned for an INSERT's SQL before its data streams on: the SQL sits at the
@@ -210,6 +211,9 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
         INSERT's data starts where its SQL ends and is streamed on from there."""
         text = params["query"].encode() + b"\n" if params.get("query") else b""
         pieces = decoded(body.pieces(), headers.get("content-encoding", ""))
+        known = query_inline_insert(text[:-1]) if text else None
+        if known is not None:
+            return Statement(text, known, pieces)
         head, ended = _read_at_least(pieces, SQL_PREFIX_SIZE)
         text += head
         inline = find_inline_insert(text, complete=ended)

@@ -8,14 +8,34 @@ lazy and stops at the data, so a large body is never tokenized.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import lru_cache, wraps
+from typing import TypeVar
 
 _WORD = re.compile(rb"[A-Za-z0-9_$\x80-\xff]+")
 _SPACE = re.compile(rb"[ \t\n\r\f\v]+")
 _QUOTES = b"'\"`"
 _OPENING = b"([{"
 _CLOSING = b")]}"
+# Statements whose answers below are remembered: a batch writer sends the same few INSERT and
+# query texts again and again, and scanning them cost the server more than its HTTP handling. A
+# long text (a key list, a large query) is scanned each time rather than kept.
+CACHED_STATEMENTS = 1024
+CACHED_STATEMENT_BYTES = 16 << 10
+
+_Answer = TypeVar("_Answer")
+
+
+def _remembered(scan: Callable[[bytes], _Answer]) -> Callable[[bytes], _Answer]:
+    cached = lru_cache(maxsize=CACHED_STATEMENTS)(scan)
+
+    @wraps(scan)
+    def answer(sql: bytes) -> _Answer:
+        return cached(sql) if len(sql) <= CACHED_STATEMENT_BYTES else scan(sql)
+
+    return answer
+
 
 
 @dataclass(frozen=True)
@@ -96,10 +116,20 @@ def _code(stream: Iterator[Token]) -> Iterator[Token]:
     return (token for token in stream if token.kind != "comment")
 
 
+@_remembered
 def leading_keyword(sql: bytes) -> str:
     """The statement's first keyword (upper case), "(" for a parenthesised query, "" for none."""
     first = next(_code(tokens(sql)), None)
     return first.upper(sql) if first else ""
+
+
+@_remembered
+def query_inline_insert(query: bytes) -> InlineInsert | None:
+    """`find_inline_insert` of a request whose `query` parameter holds the whole INSERT up to its
+    FORMAT name, the data all in the body: the same answer whatever the body, so it is remembered
+    per query text. None when the query alone does not end where the data starts."""
+    inline = find_inline_insert(query + b"\n", complete=True)
+    return inline if inline is not None and inline.data_start == len(query) + 1 else None
 
 
 def find_inline_insert(sql: bytes, complete: bool) -> InlineInsert | None:
@@ -146,6 +176,7 @@ def _unquote(name: bytes) -> str:
     return text[1:-1] if text[:1] in ('"', "`") else text
 
 
+@_remembered
 def client_file_clause(sql: bytes) -> str | None:
     """"INFILE" or "OUTFILE" when the statement reads or writes a file on the client's side
     (`FROM INFILE`, `INTO OUTFILE`): only ClickHouse's own clients handle those."""
@@ -160,6 +191,7 @@ def client_file_clause(sql: bytes) -> str | None:
     return None
 
 
+@_remembered
 def output_format(sql: bytes) -> str | None:
     """The name in a trailing `FORMAT name [SETTINGS ...] [;]` clause of a query, if any."""
     found: str | None = None
