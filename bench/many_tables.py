@@ -2,7 +2,7 @@
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
                                 [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
-                                [--instance-storage sqlite|postgres] [--faults] [--change-tables]
+                                [--instance-storage sqlite|postgres] [--faults] [--change-tables] [--snowflake]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
@@ -34,6 +34,8 @@ With --change-tables a table of 3,000 rows is created half-way through the stead
 siphon.yaml while the last table is removed from it: the producer follows the file, the code
 location is reloaded through the webserver's GraphQL API (the UI's Reload), `siphon-dagster
 snapshot` loads the new table, and every table the file lists at the end is compared.
+With --snowflake every table also goes to Snowflake (a fakesnow server on loopback; a second
+streaming run), the drain waits up to 15 minutes more, and rows are compared at both targets.
 With --groups N the tables are dealt over N streaming runs (`streaming.groups`); the batch figures
 (batches/s, phases) are then those of the one run that serves /metrics.
 Ends with one JSON line.
@@ -68,6 +70,7 @@ from siphon_core.config import TableConfig, load_config
 from siphon_dagster import source
 from siphon_dagster.targets import build_target
 from siphon_stack.process import free_port, port_accepts, start_process, stop_pid, wait_until
+from siphon_stack.snowflake import FakesnowServer
 
 ROOT = Path(__file__).resolve().parent.parent
 APPLICATION = "bench.many"
@@ -146,7 +149,7 @@ def create_tables(dsn: str, names: list[str]) -> None:
 def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
                  run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float,
                  driver_decode_max_bytes: int | None = None, groups: int = 1,
-                 idle_packages_per_second: float | None = None) -> None:
+                 idle_packages_per_second: float | None = None, snowflake: dict | None = None) -> None:
     # Groups beyond the first take every groups-th table (a share of the hot and the quiet ones
     # each); the first group is the run of the tables no group names.
     named = {f"part{g}": [f"public.{name}" for name in names[g::groups]] for g in range(1, groups)}
@@ -158,7 +161,8 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
                      **({"idle_flush_packages_per_second": idle_packages_per_second}
                         if idle_packages_per_second else {})},
         "tables": [{"name": f"public.{name}"} for name in names],
-        "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE}},
+        "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE},
+                    **({"snowflake": snowflake} if snowflake else {})},
         "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60,
                       "max_batches_per_second": max_batches_per_second, "metrics_port": run_metrics_port,
                       "driver_decode_max_bytes": driver_decode_max_bytes, **({"groups": named} if named else {})},
@@ -544,10 +548,10 @@ def slot_caught_up(dsn: str, end_lsn: int) -> bool:
     return bool(row and row[0]) and naming.parse_lsn(row[0]) >= end_lsn
 
 
-def differing_rows(config_path: Path) -> tuple[int, list[str]]:
-    """Rows missing, extra or different in ClickHouse, over every table."""
+def differing_rows(config_path: Path, target_name: str = "clickhouse") -> tuple[int, list[str]]:
+    """Rows missing, extra or different at the target, over every table."""
     config = load_config(config_path)
-    target = build_target("clickhouse", config)
+    target = build_target(target_name, config)
     total, problems = 0, []
     try:
         with source.connect(config.source.dsn) as connection:
@@ -575,16 +579,16 @@ def differing_rows(config_path: Path) -> tuple[int, list[str]]:
                         i = schema.column_names.index(columns[0])
                         example = f"; e.g. {columns[0]} {expected[differ[0]][i]!r} != {actual[differ[0]][i]!r}"
                     problems.append(f"{table.name}: {bad} rows differ ({len(expected)} at the source, "
-                                    f"{len(actual)} in ClickHouse; columns {columns}{example})")
+                                    f"{len(actual)} in {target_name}; columns {columns}{example})")
                 total += bad
     finally:
         target.close()
     return total, problems
 
 
-def counts_match(config_path: Path, names: list[str]) -> bool:
+def counts_match(config_path: Path, names: list[str], target_name: str = "clickhouse") -> bool:
     config = load_config(config_path)
-    target = build_target("clickhouse", config)
+    target = build_target(target_name, config)
     try:
         with source.connect(config.source.dsn) as connection:
             for name in names:
@@ -628,6 +632,9 @@ def main() -> int:
                         help="half-way through the steady phase add a table of 3,000 rows to siphon.yaml and remove "
                              "one, reload the code location and load the new table with `siphon-dagster snapshot`; "
                              "every table the file lists at the end is compared")
+    parser.add_argument("--snowflake", action="store_true",
+                        help="also replicate every table to Snowflake (a fakesnow server started here; a second "
+                             "streaming run); freshness is ClickHouse's, and rows are compared at both targets")
     args = parser.parse_args()
     names = table_names(args.tables)
     load_before = os.getloadavg()[0]
@@ -635,11 +642,20 @@ def main() -> int:
     with services(nats=True, clickhouse=True) as stack:
         directory = stack.directory
         config_path = directory / "siphon.yaml"
+        fakesnow = FakesnowServer(directory / "fakesnow", free_port()) if args.snowflake else None
+        fakesnow_pid = fakesnow.start() if fakesnow is not None else None
+        snowflake = None
+        if fakesnow is not None:
+            env_sf = fakesnow.environment()
+            snowflake = {"account": env_sf["SIPHON_SNOWFLAKE_ACCOUNT"], "user": env_sf["SIPHON_SNOWFLAKE_USER"],
+                         "password": env_sf["SIPHON_SNOWFLAKE_PASSWORD"], "host": env_sf["SIPHON_SNOWFLAKE_HOST"],
+                         "port": int(env_sf["SIPHON_SNOWFLAKE_PORT"]),
+                         "protocol": env_sf["SIPHON_SNOWFLAKE_PROTOCOL"], "database": "SIPHON", "schema": "MANY"}
         metrics_port = free_port()
         run_metrics_port = free_port()
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
                      args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups,
-                     args.idle_packages_per_second)
+                     args.idle_packages_per_second, snowflake)
         create_tables(stack.dsn, names)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
@@ -698,7 +714,8 @@ def main() -> int:
             cpu = CpuSplit({"ClickHouse (embedded)": lambda: [stack.clickhouse_pid],
                             "NATS": lambda: [stack.nats_pid], "PostgreSQL": lambda: tree(stack.postgres_pid),
                             "producer": lambda: tree(producer.pid), "benchmark (writer, poller)": lambda: [os.getpid()],
-                            "dagster": lambda: tree(dagster.pid)})
+                            "dagster": lambda: tree(dagster.pid),
+                            **({"fakesnow": lambda: [fakesnow_pid]} if fakesnow_pid else {})})
             cpu.start()
             batches_before = run_metrics(run_metrics_port)
             steady_from = time.time()
@@ -727,17 +744,26 @@ def main() -> int:
             fresh = freshness(writer, poller, steady_from)
             with psycopg.connect(stack.dsn) as connection:
                 end = naming.parse_lsn(connection.execute("select pg_current_wal_lsn()::text").fetchone()[0])
-            deadline = time.monotonic() + (180 if faults is None else 420)  # a killed run's backlog too
+            # A killed run's backlog too; fakesnow runs each MERGE in Python and DuckDB, a few a second.
+            deadline = time.monotonic() + (180 if faults is None else 420) + (900 if args.snowflake else 0)
             while time.monotonic() < deadline and not slot_caught_up(stack.dsn, end):
                 time.sleep(1)
             if change is not None:
                 change.finish(max(0.0, deadline - time.monotonic()))
             compared = [t.name.removeprefix("public.") for t in load_config(config_path).tables]
-            while time.monotonic() < deadline and not counts_match(config_path, compared):
-                sample()
-                time.sleep(2)
+            target_names = ["clickhouse", "snowflake"] if args.snowflake else ["clickhouse"]
+            drained_at = {}
+            for target_name in target_names:
+                while time.monotonic() < deadline and not counts_match(config_path, compared, target_name):
+                    sample()
+                    time.sleep(2)
+                drained_at[target_name] = time.monotonic() - steady_started - args.seconds
             drained_seconds = time.monotonic() - steady_started - args.seconds
-            differing, problems = differing_rows(config_path)
+            differing, problems, differing_by_target = 0, [], {}
+            for target_name in target_names:
+                count, found = differing_rows(config_path, target_name)
+                differing_by_target[target_name] = count
+                differing, problems = differing + count, problems + found
             if differing:
                 keep_logs(directory)
             final_pids = tree(dagster.pid)
@@ -751,6 +777,8 @@ def main() -> int:
                 for pid in leftovers:  # run workers that outlived `dagster dev`
                     stop_pid(pid, timeout=10)
             stop_pid(producer.pid, timeout=30)
+            if fakesnow_pid is not None:
+                FakesnowServer.stop(fakesnow_pid)
 
     peak_rss = max(s[1] for s in samples)
     peak_processes = max(s[2] for s in samples)
@@ -770,7 +798,8 @@ def main() -> int:
                                for phase, seconds in batches_after["phases"].items()} if steady_batches else {},
         "cpu_cores": {role: round(cores, 3) for role, cores in sorted(cpu.cores.items(), key=lambda kv: -kv[1])},
         "faults": (faults.done if faults is not None else []) + (change.done if change is not None else []),
-        "tables_compared": len(compared),
+        "tables_compared": len(compared), "rows_differing_by_target": differing_by_target,
+        "drained_s_by_target": drained_at,
     }
     print("\nprocesses on the Dagster side at the end:")
     for name in final_names:
