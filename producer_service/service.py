@@ -298,8 +298,9 @@ class ProducerService:
         self.config = change.config
         self.metrics.configured_tables.set(len(change.config.tables))
         for name in publication.added:
-            log.warning("table added to the publication: its changes stream from now on; take its snapshot "
-                        "(the Dagster side loads a new table by itself)", table=name, publication=self.publication)
+            log.warning("table added to the publication: its changes stream from now on; its earlier rows are "
+                        "its snapshot's (reload the Dagster code location: with snapshots.auto_load it loads the "
+                        "table by itself)", table=name, publication=self.publication)
         for name in publication.dropped:
             log.info("table dropped from the publication", table=name, publication=self.publication)
 
