@@ -158,25 +158,31 @@ def backfill_column_name(column: str) -> str:
     return f"_siphon_backfill_{column}"
 
 
-def insert_stage(stage: str, table: TableSchema, rows: int) -> str:
+def _staged_values(table: TableSchema, rows: int) -> tuple[str, str]:
+    """The staging columns' names, and `rows` rows of bind parameters for them."""
     names = ", ".join(quote(name) for name in staging_names(table))
     row = "(" + ", ".join(["?"] * (len(table.columns) + 2)) + ")"
-    return f"INSERT INTO {stage} ({names}) VALUES " + ", ".join([row] * rows)
+    return names, ", ".join([row] * rows)
+
+
+def insert_stage(stage: str, table: TableSchema, rows: int) -> str:
+    names, values = _staged_values(table, rows)
+    return f"INSERT INTO {stage} ({names}) VALUES {values}"
 
 
 def values_source(table: TableSchema, rows: int, alias: str = "v") -> str:
     """`rows` rows of bind parameters named as a staging table's columns, to MERGE from directly."""
-    row = "(" + ", ".join(["?"] * (len(table.columns) + 2)) + ")"
-    names = ", ".join(quote(name) for name in staging_names(table))
-    return f"(VALUES {', '.join([row] * rows)}) AS {quote(alias)} ({names})"
+    names, values = _staged_values(table, rows)
+    return f"(VALUES {values}) AS {quote(alias)} ({names})"
 
 
 def merge(target: str, stage: str, table: TableSchema) -> str:
     """Version-guarded upsert of a staged batch: a row replaces the stored one only if newer.
 
     `stage` is a staging table, or `values_source`'s rows. Within the batch only the newest version
-    of each key takes part (Snowflake refuses a MERGE in which two source rows update one target row). A tombstone is an ordinary newer version with
-    `_siphon_deleted` true, so an older change applied later never revives a deleted row.
+    of each key takes part (Snowflake refuses a MERGE in which two source rows update one target
+    row). A tombstone is an ordinary newer version with `_siphon_deleted` true, so an older change
+    applied later never revives a deleted row.
     """
     converted = [
         f"{mapping_for(c).snowflake.convert(quote(stage_column(i)))} AS {quote(f's{i}')}" for i, c in enumerate(table.columns)
