@@ -415,6 +415,10 @@ class StreamingConfig(_Model):
     # Named groups of tables, each served by a run of its own per target (`stream_<target>__<group>`);
     # every table not named here is served by the default group's run (`stream_<target>`).
     groups: dict[str, list[str]] = Field(default_factory=dict)
+    # When siphon.yaml's tables, groups or targets change, the streaming sensor has the code server
+    # (`dagster code-server start`) load the code location again, so that new tables get their assets,
+    # snapshot and streaming run without an operator's reload (siphon_dagster.location_reload).
+    reload_location_on_change: bool = True
     # A table's asset gets at most one materialization per interval, aggregating the batches between
     # (one sooner when a batch changed the schema or warned): hundreds of tables would flood the log.
     materialization_interval_seconds: float = Field(default=60.0, ge=0)

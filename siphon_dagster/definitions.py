@@ -13,6 +13,7 @@ from siphon_dagster.config_drift import ConfigDrift
 from siphon_dagster.gap_sensor import build_gap_sensor
 from siphon_dagster.group_jobs import build_group_stream_job
 from siphon_dagster.jobs import build_stream_job
+from siphon_dagster.location_reload import LocationReloader
 from siphon_dagster.resources import (
     ClickHouseResource,
     NatsResource,
@@ -70,7 +71,8 @@ def build_definitions(config: SiphonConfig, config_path: str | None = None) -> d
         sensors=[
             build_partitions_sensor(specs, group),
             build_streaming_sensor(groups, group, group_jobs, config.streaming.max_failures_before_backoff,
-                                   drift=ConfigDrift(config_path, config) if config_path else None),
+                                   drift=ConfigDrift(config_path, config) if config_path else None,
+                                   reloader=LocationReloader() if config.streaming.reload_location_on_change else None),
             build_gap_sensor(specs, group, resync_jobs),
             # New tables load, failed snapshot partitions run again, each table's state on its asset.
             build_snapshot_sensor(specs, group, config.snapshots, target_check_keys([*assets, *asset_checks])),

@@ -12,6 +12,7 @@ import dagster as dg
 from siphon_dagster import source as source_db
 from siphon_dagster.assets import source_observation
 from siphon_dagster.config_drift import ConfigDrift
+from siphon_dagster.location_reload import LocationReloader
 from siphon_dagster.partitions import missing_keys
 from siphon_dagster.resources import NatsResource, PostgresResource
 from siphon_dagster.run_liveness import IN_PROGRESS, SNAPSHOT_RUN_TAG, dead_run_reason
@@ -160,10 +161,11 @@ def backoff_seconds(failures: int, threshold: int) -> float:
 
 
 def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: dict[str, dg.JobDefinition],
-                           failure_threshold: int, now=time.time, drift: ConfigDrift | None = None
-                           ) -> dg.SensorDefinition:
+                           failure_threshold: int, now=time.time, drift: ConfigDrift | None = None,
+                           reloader: LocationReloader | None = None) -> dg.SensorDefinition:
     """`jobs` maps each group's key (`<target>:<group>`) to its group job; `drift`, when given,
-    tells whether siphon.yaml changed since the code location loaded."""
+    tells whether siphon.yaml changed since the code location loaded, and `reloader`, when given,
+    has the code location loaded again when it did."""
     application = groups[0].specs[0].tags[APPLICATION_TAG]
     by_key = {group.key: group for group in groups}
 
@@ -181,7 +183,10 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
         state = json.loads(context.cursor) if context.cursor else {}
         stale = drift.message() if drift is not None else None
         if stale:
-            # The runs go on serving the tables as loaded: the file's new tables need their assets.
+            # The runs go on serving the tables as loaded until the new definitions take over.
+            changes = drift.what_changed() if drift is not None else None
+            if reloader is not None and changes is not None:
+                stale = f"siphon.yaml no longer matches this code location ({changes}): {reloader.request(changes)}"
             context.log.warning(stale)
         pending = _pending_counts(context, queue, groups)
         clock = now()

@@ -456,6 +456,6 @@ def test_streaming_sensor_says_when_the_file_lists_tables_the_location_does_not_
         result = tick(defs, config, instance, "_streaming", cursor=quiet.cursor)
 
         stale = json.loads(result.cursor)["siphon.yaml"]
-        assert f"tables added: {config.tables[0].schema_name}.newcomer" in stale and "reload the code location" in stale
+        assert f"tables added: {config.tables[0].schema_name}.newcomer" in stale and "reload or restart it" in stale
         # The run of the tables it was loaded with is still requested.
         assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]

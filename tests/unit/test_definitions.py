@@ -137,17 +137,19 @@ def test_config_drift_names_added_and_removed_tables_and_quiets_once_the_file_is
            "targets": {"clickhouse": {"url": "http://127.0.0.1:8123"}}}
     path.write_text(yaml.safe_dump(raw))
     drift = ConfigDrift(path, load_config(path))
-    assert drift.message() is None
+    assert drift.message() is None and drift.what_changed() is None
 
     path.write_text(yaml.safe_dump({**raw, "tables": [{"name": "public.a"}, {"name": "public.c"}]}))
     message = drift.message()
     assert message is not None and "tables added: public.c" in message and "tables removed: public.b" in message
+    assert drift.what_changed() == "tables added: public.c; tables removed: public.b"  # a reload would serve it
 
     path.write_text(yaml.safe_dump({**raw, "tables": [{"name": "public.a"}, {"name": "public.b", "on_error": "retry"}]}))
     assert "table, group or target settings changed" in drift.message()
 
     path.write_text("tables: [\n")
     assert "does not load" in drift.message()
+    assert drift.what_changed() is None  # a reload would fail: none is asked for
 
     path.write_text(yaml.safe_dump(raw) + "\n")  # the same content again, another size
     assert drift.message() is None
