@@ -188,7 +188,7 @@ def test_the_image_copies_what_exists_and_installs_the_commands_it_runs() -> Non
     for argv in (command, producer_command):
         assert argv[0] in scripts or argv[0] in dagster_scripts, f"{argv[0]} is no console script of the image"
     helm = yaml.safe_load((DEPLOY / "helm" / "dagster-values.yaml").read_text())
-    code_server = helm["dagster-user-deployments"]["deployments"][0]["dagsterApiGrpcArgs"]
+    code_server = helm["dagster-user-deployments"]["deployments"][0]["codeServerArgs"]
     modules = [args[args.index("-m") + 1] for args in (command, code_server)]
     for module in modules:
         assert module.split(".")[0] in copied and importlib.util.find_spec(module), module
@@ -366,7 +366,8 @@ def test_the_helm_values_use_only_keys_of_the_chart() -> None:
 def test_the_helm_values_run_the_code_location_and_its_runs_in_the_siphon_image(monkeypatch: pytest.MonkeyPatch) -> None:
     values = helm_values()
     (deployment,) = values["dagster-user-deployments"]["deployments"]
-    assert deployment["dagsterApiGrpcArgs"] == ["-m", "siphon_dagster"]
+    # The code server that reloads its definitions when asked (siphon_dagster.location_reload).
+    assert deployment["codeServerArgs"] == ["-m", "siphon_dagster"] and "dagsterApiGrpcArgs" not in deployment
     assert deployment["image"]["tag"] not in ("", "latest")
     assert re.search(rf"\bEXPOSE\b.*\b{deployment['port']}\b", (DEPLOY / "Dockerfile").read_text())
     assert values["runLauncher"]["type"] == "K8sRunLauncher"
