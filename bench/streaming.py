@@ -153,13 +153,15 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def tree_cpu_seconds(pid: int | None) -> tuple[float, float]:
-    """CPU seconds of a live process and its live descendants (exited ones are not counted): of
-    the processes that are not Python, and of those that are (Spark's Python workers)."""
+def tree_cpu_seconds(pid: int | None, seen: dict[int, tuple[bool, float]] | None = None) -> tuple[float, float]:
+    """CPU seconds of a process and its descendants: of the processes that are not Python, and of
+    those that are (Spark's Python workers). With `seen` (pid -> (is Python, CPU seconds)), a
+    process that has exited since an earlier call still counts with what it had used then: Spark
+    stops idle Python workers, and a sum over the live ones only would fall between two samples."""
     if not pid:
         return float("nan"), float("nan")
+    seen = {} if seen is None else seen
     tree, todo = _children(), [pid]
-    other = python = 0.0
     while todo:
         current = todo.pop()
         seconds = cpu_seconds(current)
@@ -169,10 +171,10 @@ def tree_cpu_seconds(pid: int | None) -> tuple[float, float]:
         except FileNotFoundError:
             continue
         if seconds == seconds:
-            python += seconds if is_python else 0.0
-            other += 0.0 if is_python else seconds
+            seen[current] = (is_python, max(seconds, seen.get(current, (is_python, 0.0))[1]))
         todo += tree.get(current, [])
-    return other, python
+    python = sum(used for is_python, used in seen.values() if is_python)
+    return sum(used for is_python, used in seen.values() if not is_python), python
 
 
 @dataclass(frozen=True)
@@ -202,10 +204,12 @@ class ConsumerCpu:
 
     spark_pid: int | None
     clickhouse_pid: int | None
+    _spark_seen: dict[int, tuple[bool, float]] = field(default_factory=dict)
+    _clickhouse_seen: dict[int, tuple[bool, float]] = field(default_factory=dict)
 
     def sample(self) -> CpuSample:
-        jvm, workers = tree_cpu_seconds(self.spark_pid)
-        clickhouse = sum(tree_cpu_seconds(self.clickhouse_pid))
+        jvm, workers = tree_cpu_seconds(self.spark_pid, self._spark_seen)
+        clickhouse = sum(tree_cpu_seconds(self.clickhouse_pid, self._clickhouse_seen))
         return CpuSample(cpu_seconds(os.getpid()), jvm, workers, clickhouse)
 
 
