@@ -180,11 +180,17 @@ def gather_spans(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> t
 
 def spans_array(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """The spans as an Arrow binary column (large_binary past 2 GiB)."""
-    offsets, out = gather_spans(data, starts, lengths)
+    return binary_array(*gather_spans(data, starts, lengths))
+
+
+def binary_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
+    """An Arrow binary column (large_binary past 2 GiB) of int64 `offsets` (one more than values)
+    into the bytes `values`."""
     if offsets[-1] > _INT32_MAX:
-        return pa.Array.from_buffers(pa.large_binary(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(out)])
-    return pa.Array.from_buffers(pa.binary(), len(starts),
-                                 [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(out)])
+        return pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1,
+                                     [None, pa.py_buffer(offsets), pa.py_buffer(values)])
+    return pa.Array.from_buffers(pa.binary(), len(offsets) - 1,
+                                 [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(values)])
 
 
 def _new_columns(data: np.ndarray, count: int) -> EventColumns:

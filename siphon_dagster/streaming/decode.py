@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import read_package, spans_array
+from siphon_core.wire.event_columns import binary_array, gather_spans, read_package, spans_array
 from siphon_core.wire.packages import decompress_package
 from siphon_core.wire.tuple_columns import MalformedTupleError, TupleColumns, split_tuples
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST, TupleDataError, Value, decode_tuple, encode_tuple
@@ -67,6 +67,8 @@ DECODED_SCHEMA = pa.schema([
 _INSERTS = (pb.INSERT, pb.SNAPSHOT)
 _UPDATE, _DELETE, _TRUNCATE = pb.UPDATE, pb.DELETE, pb.TRUNCATE
 _MISSING = -1  # a column of the batch's list that an older package does not have
+# What an as-sent row holds besides its values: operation, LSN, position, sequence, offset, flag.
+_AS_SENT_ROW_BYTES = 1 + 8 + 8 + 8 + 8 + 1
 
 
 def value_column(position: int) -> str:
@@ -118,6 +120,54 @@ class _Rows:
             schema=DECODED_SCHEMA)
 
 
+class AsSentRows:
+    """The events of many packages that are their row as sent (see `PackageDecoder.decode`), kept as
+    arrays and made into one record batch: a batch of a run of hundreds of tables holds tens of
+    small packages, and building eight Arrow arrays per package cost more than reading it."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ops: list[np.ndarray] = []
+        self._lsns: list[np.ndarray] = []
+        self._positions: list[np.ndarray] = []
+        self._seqs: list[np.ndarray] = []
+        self._offsets: list[np.ndarray] = []
+        self._values: list[np.ndarray] = []
+        self._value_bytes = 0
+        self.count = 0
+        self.nbytes = 0  # what the gathered values and the per-row arrays hold
+
+    def add(self, ops: np.ndarray, lsns: np.ndarray, positions: np.ndarray, seq: int, data: np.ndarray,
+            starts: np.ndarray, lengths: np.ndarray) -> None:
+        offsets, values = gather_spans(data, starts, lengths)
+        self._ops.append(ops)
+        self._lsns.append(lsns)
+        self._positions.append(positions)
+        self._seqs.append(np.full(ops.size, seq, np.int64))
+        self._offsets.append(offsets[:-1] + self._value_bytes)
+        self._values.append(values)
+        self._value_bytes += values.size
+        self.count += ops.size
+        self.nbytes += values.nbytes + ops.size * _AS_SENT_ROW_BYTES
+
+    def batch(self) -> pa.RecordBatch | None:
+        """Every row added, as one batch laid out by `DECODED_SCHEMA`; None without rows. Starts over."""
+        if not self.count:
+            return None
+        ops = np.concatenate(self._ops)
+        values = np.concatenate(self._values)
+        offsets = np.concatenate([*self._offsets, np.array([values.size], np.int64)])
+        made = pa.RecordBatch.from_arrays(
+            [pa.nulls(self.count, pa.binary()), pa.array(ops), pa.array(np.concatenate(self._lsns)),
+             pa.array(np.concatenate(self._positions)), pa.array(np.concatenate(self._seqs)),
+             pa.array(ops != _UPDATE), pa.nulls(self.count, pa.binary()), binary_array(offsets, values)],
+            schema=DECODED_SCHEMA)
+        self._reset()
+        return made
+
+
 class PackageDecoder:
     """Turns one package into change rows aligned to `spec` (callable on executors, picklable).
 
@@ -127,7 +177,9 @@ class PackageDecoder:
     def __init__(self, spec: DecodeSpec) -> None:
         self.spec = spec
 
-    def decode(self, seq: int, payload: bytes) -> Iterator[pa.RecordBatch]:
+    def decode(self, seq: int, payload: bytes, as_sent: AsSentRows | None = None) -> Iterator[pa.RecordBatch]:
+        """The package's change rows; with `as_sent`, the rows that are an event's tuple as sent go
+        there instead (the caller makes them a batch), and only the others are yielded."""
         where = f"stream sequence {seq}"
         package, columns = read_package(decompress_package(payload, where), where)
         if package.HasField("chunk"):
@@ -142,20 +194,24 @@ class PackageDecoder:
         else:
             ops, has_old = columns.operations, columns.has_old_row
             # Comparisons, not np.isin: it costs tens of microseconds a call on a small package.
-            as_sent = (ops == pb.INSERT) | (ops == pb.SNAPSHOT) | ((ops == _UPDATE) & ~has_old)
+            sent = (ops == pb.INSERT) | (ops == pb.SNAPSHOT) | ((ops == _UPDATE) & ~has_old)
             old_key = (ops == _DELETE) & has_old
-            fast = np.flatnonzero(as_sent | old_key)
-            others = [columns.event(i) for i in np.flatnonzero(~(as_sent | old_key)).tolist()]
+            fast = np.flatnonzero(sent | old_key)
+            others = [columns.event(i) for i in np.flatnonzero(~(sent | old_key)).tolist()]
             if fast.size:
-                starts = np.where(as_sent, columns.new_starts, columns.old_starts)[fast]
-                lengths = np.where(as_sent, columns.new_lengths, columns.old_lengths)[fast]
+                starts = np.where(sent, columns.new_starts, columns.old_starts)[fast]
+                lengths = np.where(sent, columns.new_lengths, columns.old_lengths)[fast]
                 op_array = ops[fast].astype(np.int8)
-                yield pa.RecordBatch.from_arrays(
-                    [pa.nulls(fast.size, pa.binary()), pa.array(op_array),
-                     pa.array(columns.commit_lsns[fast].view(np.int64)), pa.array(columns.positions[fast]),
-                     pa.array(np.full(fast.size, seq, np.int64)), pa.array(op_array != _UPDATE),
-                     pa.nulls(fast.size, pa.binary()), spans_array(columns.data, starts, lengths)],
-                    schema=DECODED_SCHEMA)
+                if as_sent is not None:
+                    as_sent.add(op_array, columns.commit_lsns[fast].view(np.int64), columns.positions[fast], seq,
+                                columns.data, starts, lengths)
+                else:
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.nulls(fast.size, pa.binary()), pa.array(op_array),
+                         pa.array(columns.commit_lsns[fast].view(np.int64)), pa.array(columns.positions[fast]),
+                         pa.array(np.full(fast.size, seq, np.int64)), pa.array(op_array != _UPDATE),
+                         pa.nulls(fast.size, pa.binary()), spans_array(columns.data, starts, lengths)],
+                        schema=DECODED_SCHEMA)
         if others:
             slow = _Rows()
             key_positions = self.spec.key_positions

@@ -49,6 +49,7 @@ from siphon_dagster.streaming.batch import ReceivedPackage, describe
 from siphon_dagster.streaming.decode import (
     INPUT_FILE_SCHEMA,
     INPUT_SCHEMA,
+    AsSentRows,
     DecodeSpec,
     LocatedChanges,
     PackageDecoder,
@@ -97,6 +98,11 @@ def folded_pieces_in_driver(packages: Sequence[ReceivedPackage], spec: DecodeSpe
     # Kept only when a folded row has unchanged values to fill: no other batch asks for history, and
     # a batch waiting for its write should not hold its changes twice.
     return pieces, stage.located if any(_has_unchanged(piece) for piece in pieces) else None
+
+
+def _with_as_sent(parts: list[pa.RecordBatch], as_sent: AsSentRows) -> list[pa.RecordBatch]:
+    made = as_sent.batch()
+    return parts if made is None else [made, *parts]
 
 
 def _held_bytes(part: pa.RecordBatch) -> int:
@@ -190,17 +196,18 @@ class DecodeStage:
         """The folded rows of the packages, a table per flush (what a task hands on as IPC)."""
         decoder = PackageDecoder(self.spec)
         parts: list[pa.RecordBatch] = []
+        as_sent = AsSentRows()  # the rows of every package that are a tuple as sent, as one part
         held = 0
         for batch in batches:
             for seq, payload in self._payloads(batch):
-                for part in decoder.decode(seq, payload):
+                for part in decoder.decode(seq, payload, as_sent):
                     parts.append(part)
                     held += _held_bytes(part)
-                if held >= DECODED_BYTES_PER_FLUSH:  # a worker holds a bounded part of the batch
-                    yield self._flush(parts)
+                if held + as_sent.nbytes >= DECODED_BYTES_PER_FLUSH:  # a worker holds a bounded part of the batch
+                    yield self._flush(_with_as_sent(parts, as_sent))
                     parts, held = [], 0
-        if parts:
-            yield self._flush(parts)
+        if parts or as_sent.count:
+            yield self._flush(_with_as_sent(parts, as_sent))
 
     def _payloads(self, batch: pa.RecordBatch) -> Iterator[tuple[int, bytes]]:
         sequences = batch.column(0).to_pylist()

@@ -14,7 +14,14 @@ from siphon_core.wire.packages import encode_package
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST, encode_tuple
 from siphon_dagster.streaming import spark_plan
 from siphon_dagster.streaming.batch import describe
-from siphon_dagster.streaming.decode import INPUT_FILE_SCHEMA, INPUT_SCHEMA, DecodeSpec, locate_changes
+from siphon_dagster.streaming.decode import (
+    DECODED_SCHEMA,
+    INPUT_FILE_SCHEMA,
+    INPUT_SCHEMA,
+    AsSentRows,
+    DecodeSpec,
+    locate_changes,
+)
 from siphon_dagster.streaming.fold import latest_indices, merge_pieces
 from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
 
@@ -224,3 +231,25 @@ def test_a_batch_decoding_to_more_than_the_kept_size_keeps_nothing(monkeypatch):
     _, located = spark_plan.folded_pieces_in_driver(received, SPEC, None)
 
     assert located is None
+
+
+def test_the_as_sent_rows_of_many_packages_make_one_part_with_the_rows_of_each():
+    packages, _ = _random_packages(seed=7)
+    payloads = [(i + 1, encode_package(p)) for i, p in enumerate(packages)]
+    decoder = spark_plan.PackageDecoder(SPEC)
+    one_by_one = [part for seq, payload in payloads for part in decoder.decode(seq, payload)]
+    as_sent = AsSentRows()
+    others = [part for seq, payload in payloads for part in decoder.decode(seq, payload, as_sent)]
+    gathered = as_sent.batch()
+
+    assert gathered is not None and as_sent.count == 0 and as_sent.batch() is None  # it starts over
+    assert gathered.num_rows == sum(p.num_rows for p in one_by_one) - sum(p.num_rows for p in others)
+
+    def rows(parts):
+        table = pa.Table.from_batches(parts, DECODED_SCHEMA)
+        return sorted(zip(*(table.column(name).to_pylist() for name in DECODED_SCHEMA.names), strict=True),
+                      key=repr)
+
+    # The same rows, each with its own package's sequence, and the same changes located from them.
+    assert rows([gathered, *others]) == rows(one_by_one)
+    assert locate_changes([gathered, *others], SPEC).changes.num_rows == locate_changes(one_by_one, SPEC).changes.num_rows
