@@ -14,6 +14,7 @@ there the sensor keeps saying what to do.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -72,8 +73,6 @@ def parse_code_server_command(argv: Sequence[str]) -> CodeServerAddress | None:
 
 def serving_code_server(parent_pid: int | None = None) -> CodeServerAddress | None:
     """The `dagster code-server start` process that started this one, if that is what did."""
-    import os
-
     pid = os.getppid() if parent_pid is None else parent_pid
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()

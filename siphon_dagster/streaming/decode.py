@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import binary_array, gather_spans, read_package, spans_array
+from siphon_core.wire.event_columns import binary_array, gather_spans, read_package
 from siphon_core.wire.packages import decompress_package
 from siphon_core.wire.tuple_columns import MalformedTupleError, TupleColumns, split_tuples
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST, TupleDataError, Value, decode_tuple, encode_tuple
@@ -202,16 +202,11 @@ class PackageDecoder:
                 starts = np.where(sent, columns.new_starts, columns.old_starts)[fast]
                 lengths = np.where(sent, columns.new_lengths, columns.old_lengths)[fast]
                 op_array = ops[fast].astype(np.int8)
-                if as_sent is not None:
-                    as_sent.add(op_array, columns.commit_lsns[fast].view(np.int64), columns.positions[fast], seq,
-                                columns.data, starts, lengths)
-                else:
-                    yield pa.RecordBatch.from_arrays(
-                        [pa.nulls(fast.size, pa.binary()), pa.array(op_array),
-                         pa.array(columns.commit_lsns[fast].view(np.int64)), pa.array(columns.positions[fast]),
-                         pa.array(np.full(fast.size, seq, np.int64)), pa.array(op_array != _UPDATE),
-                         pa.nulls(fast.size, pa.binary()), spans_array(columns.data, starts, lengths)],
-                        schema=DECODED_SCHEMA)
+                gathered = as_sent if as_sent is not None else AsSentRows()
+                gathered.add(op_array, columns.commit_lsns[fast].view(np.int64), columns.positions[fast], seq,
+                             columns.data, starts, lengths)
+                if as_sent is None:
+                    yield gathered.batch()  # type: ignore[misc]
         if others:
             slow = _Rows()
             key_positions = self.spec.key_positions
