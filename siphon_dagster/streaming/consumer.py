@@ -40,6 +40,7 @@ from siphon_dagster.streaming.batch import MAX_EXPANSION_OF_MESSAGE_LIMIT, Packa
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.strategy import ErrorStrategy, RetryPolicy, StreamApplyError
+from siphon_dagster.streaming.turns import Turns
 from siphon_dagster.targets.base import Target
 
 _log = get_logger("streaming.consumer")
@@ -106,8 +107,10 @@ class StreamConsumer:
         # A group run's turns: a batch takes its waiting messages only once it holds one, and gives
         # it back once it is acked. With more busy tables than the run writes at once, batches then
         # wait for their turn in the queue, still taking what arrives, instead of waiting pulled and
-        # stale behind the others. Only without `pipelined` (one batch in flight).
-        self.turns: asyncio.Semaphore | None = None
+        # stale behind the others. Only without `pipelined` (one batch in flight). A table's first
+        # batch goes ahead of the others' later ones (see turns.Turns).
+        self.turns: Turns | None = None
+        self._applied_any = False  # whether a batch of this consumer was applied
         self.strategy.sleep = self._wait_without_turn
         self._turn_held = False
         self._turn_seconds = 0.0  # how long the batch being pulled waited for its turn
@@ -195,6 +198,7 @@ class StreamConsumer:
                     report = await finishing
                     finishing = None
                 if report is not None:
+                    self._applied_any = True
                     summary.add(report)
                     _log.info("batch applied", table=self.table.name, target=self.target.name,
                               sequences=f"{report.first_sequence}-{report.last_sequence}", events=report.events,
@@ -308,12 +312,13 @@ class StreamConsumer:
             return True
         if self._stopping.is_set():
             return False
+        first = not self._applied_any
         if not self.turns.locked():  # a turn is free: taken without a task or a wait
-            await self.turns.acquire()
+            await self.turns.acquire(first)
             self._turn_held = True
             return True
         started = time.perf_counter()
-        acquiring = asyncio.ensure_future(self.turns.acquire())
+        acquiring = asyncio.ensure_future(self.turns.acquire(first))
         stopped = asyncio.ensure_future(self._stop_requested.wait()) if self._stop_requested is not None else None
         try:
             await asyncio.wait({acquiring, *([stopped] if stopped else [])}, return_when=asyncio.FIRST_COMPLETED)
@@ -339,7 +344,7 @@ class StreamConsumer:
         await asyncio.sleep(seconds)
         if held:
             assert self.turns is not None
-            await self.turns.acquire()
+            await self.turns.acquire(not self._applied_any)
             self._turn_held = True
 
     def _end_turn(self) -> None:

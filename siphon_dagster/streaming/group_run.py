@@ -14,6 +14,7 @@ import gc
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from siphon_core.queue import JetStreamQueue
 from siphon_dagster.streaming.consumer import StreamConsumer
 from siphon_dagster.streaming.pace import BatchPace
 from siphon_dagster.streaming.report import BatchReport, RunSummary
+from siphon_dagster.streaming.turns import Turns
 
 _log = get_logger("streaming.group")
 SWITCH_INTERVAL_SECONDS = 0.00025  # the run's interpreter switch interval (see GroupRunner.run)
@@ -75,13 +77,15 @@ class GroupRunner:
         self.apply_threads = apply_threads
         self.setup_concurrency = setup_concurrency
         self._setup_gate: asyncio.Semaphore | None = None
-        self._turns: asyncio.Semaphore | None = None
+        self._turns: Turns | None = None
         # Tables decoding at once: decoding holds the interpreter lock, so more than the cores only
         # take turns, and the event loop (every table's pulls and acks) waits behind them.
         self.decode_concurrency = decode_concurrency or os.cpu_count() or 2
         self._cpu_executor: ThreadPoolExecutor | None = None
         self._ready_tables: set[str] = set()
         self._heap_settled = False
+        self._started_at = 0.0
+        self._streaming_tables: set[str] = set()  # tables that applied a batch in this run
         # Reports (Dagster events, metrics) are written by one thread of their own, in order: an
         # event log write waits on its storage, and the event loop must never wait with it.
         self._reporter: ThreadPoolExecutor | None = None
@@ -108,10 +112,11 @@ class GroupRunner:
 
     async def run_async(self, stop_when_drained: bool = False) -> GroupSummary:
         self._loop = asyncio.get_running_loop()
+        self._started_at = time.monotonic()
         self._loop.set_default_executor(ThreadPoolExecutor(self.apply_threads, thread_name_prefix="siphon-apply"))
         self._setup_gate = asyncio.Semaphore(self.setup_concurrency)
         # Batches taken at once, one per apply thread (see StreamConsumer.turns).
-        self._turns = asyncio.Semaphore(self.apply_threads)
+        self._turns = Turns(self.apply_threads)
         settle_heap()  # what is loaded before the first table starts: Dagster, the definitions
         self._cpu_executor = ThreadPoolExecutor(self.decode_concurrency, thread_name_prefix="siphon-decode")
         self._stopped = asyncio.Event()
@@ -227,10 +232,17 @@ class GroupRunner:
         if not self._heap_settled and len(self._ready_tables) == len(self.tables):
             self._heap_settled = True
             settle_heap()
+            _log.info("every table's consumer is set up", tables=len(self.tables),
+                      seconds=round(time.monotonic() - self._started_at, 1))
 
     def _batch(self, report: BatchReport, totals: RunSummary) -> None:
         if self.pace is not None:
             self.pace.record(report.table)
+        if report.table not in self._streaming_tables:
+            self._streaming_tables.add(report.table)
+            if len(self._streaming_tables) == len(self.tables):
+                _log.info("every table applied a batch", tables=len(self.tables),
+                          seconds=round(time.monotonic() - self._started_at, 1))
         totals.add(report)
         self._report(self.on_batch, report)
 

@@ -383,3 +383,51 @@ def test_a_run_stopped_while_tables_wait_for_turns_ends_after_the_batches_it_is_
         assert len(rows_of(opened[-1], name)) == 30, name
     for target in opened:
         target.close()
+
+
+def test_a_tables_first_batch_goes_ahead_of_the_batches_of_tables_already_streaming(
+        request, nats_url, postgres_dsn, clickhouse_url, unique_name):
+    """With one turn and four busy tables waiting in line, three tables whose first messages
+    arrive later are applied before any of the four writes again (beyond the batch being written):
+    a table is not left out of the run while the others take turns."""
+    busy, new = [f"b{i}" for i in range(4)], [f"n{i}" for i in range(3)]
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, busy + new)
+    publish_backlogs(nats_url, unique_name, busy, 60)
+    resources = build_resources(config)
+    shared = resources["queue"].queue()
+    opened = []
+    reports: list[BatchReport] = []
+    published_at: list[int] = []  # how many batches were applied when the new tables' messages were out
+
+    def make_consumer(table: TableConfig) -> StreamConsumer:
+        opened.append(resources["clickhouse_target"].open_target())
+        made = StreamConsumer(shared, _SlowWrites(opened[-1], 0.3), table,
+                              lambda: pytest.fail("no Spark for small batches"),
+                              StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05), source=None)
+        made.idle_pull_seconds = 1.0
+        made.pipelined = False
+        return made
+
+    def publish_new() -> None:
+        publish_backlogs(nats_url, unique_name, new, 5)
+        published_at.append(len(reports))
+
+    def on_batch(report: BatchReport) -> None:
+        reports.append(report)
+        streaming = {r.table for r in reports}
+        if not published_at and len(reports) >= 8 and streaming == {f"public.{n}" for n in busy}:
+            threading.Thread(target=publish_new).start()
+        if {f"public.{n}" for n in new} <= streaming:
+            runner.stop()
+
+    runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, lambda failure: None,
+                         apply_threads=1)
+    runner.run()
+    after = [r.table.removeprefix("public.") for r in reports[published_at[0]:]]
+    last_new = max(after.index(n) for n in new)
+    # Before the new tables' first batches: at most the batch being written when they arrived and
+    # the one that held the turn then. In arrival order the three busy tables waiting in line would
+    # each have written first.
+    assert len([t for t in after[:last_new] if t in busy]) <= 2, after
+    for target in opened:
+        target.close()
