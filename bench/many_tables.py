@@ -2,6 +2,7 @@
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
                                 [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
+                                [--idle-packages-per-second N] [--idle-min-age-seconds S]
                                 [--instance-storage sqlite|postgres] [--faults] [--change-tables] [--snowflake]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
@@ -151,7 +152,8 @@ def create_tables(dsn: str, names: list[str]) -> None:
 def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
                  run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float,
                  driver_decode_max_bytes: int | None = None, groups: int = 1,
-                 idle_packages_per_second: float | None = None, snowflake: dict | None = None) -> None:
+                 idle_packages_per_second: float | None = None, snowflake: dict | None = None,
+                 idle_min_age_seconds: float | None = None) -> None:
     # Groups beyond the first take every groups-th table (a share of the hot and the quiet ones
     # each); the first group is the run of the tables no group names.
     named = {f"part{g}": [f"public.{name}" for name in names[g::groups]] for g in range(1, groups)}
@@ -161,7 +163,9 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         "queue": {"url": nats_url},
         "producer": {"metrics_port": metrics_port, "status_interval_seconds": 0.5,
                      **({"idle_flush_packages_per_second": idle_packages_per_second}
-                        if idle_packages_per_second else {})},
+                        if idle_packages_per_second else {}),
+                     **({"idle_flush_min_age_seconds": idle_min_age_seconds}
+                        if idle_min_age_seconds is not None else {})},
         "tables": [{"name": f"public.{name}"} for name in names],
         "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE},
                     **({"snowflake": snowflake} if snowflake else {})},
@@ -645,6 +649,8 @@ def main() -> int:
                              "a database of the benchmark's PostgreSQL, as a production instance keeps it")
     parser.add_argument("--idle-packages-per-second", type=float, default=None,
                         help="producer.idle_flush_packages_per_second (default: the producer's own)")
+    parser.add_argument("--idle-min-age-seconds", type=float, default=None,
+                        help="producer.idle_flush_min_age_seconds (default: the producer's own)")
     parser.add_argument("--faults", action="store_true",
                         help="a third into the steady phase kill -9 the streaming runs, two thirds in the producer "
                              "(started again at once); the sensor starts the runs again. The batch figures then "
@@ -676,7 +682,7 @@ def main() -> int:
         run_metrics_port = free_port()
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
                      args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups,
-                     args.idle_packages_per_second, snowflake)
+                     args.idle_packages_per_second, snowflake, args.idle_min_age_seconds)
         create_tables(stack.dsn, names)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
