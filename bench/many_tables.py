@@ -2,7 +2,7 @@
 
     python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
                                 [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
-                                [--idle-packages-per-second N] [--idle-min-age-seconds S]
+                                [--idle-packages-per-second N] [--idle-min-age-seconds S] [--apply-threads N]
                                 [--instance-storage sqlite|postgres] [--faults] [--change-tables] [--snowflake]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
@@ -153,7 +153,7 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
                  run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float,
                  driver_decode_max_bytes: int | None = None, groups: int = 1,
                  idle_packages_per_second: float | None = None, snowflake: dict | None = None,
-                 idle_min_age_seconds: float | None = None) -> None:
+                 idle_min_age_seconds: float | None = None, apply_threads: int | None = None) -> None:
     # Groups beyond the first take every groups-th table (a share of the hot and the quiet ones
     # each); the first group is the run of the tables no group names.
     named = {f"part{g}": [f"public.{name}" for name in names[g::groups]] for g in range(1, groups)}
@@ -171,7 +171,8 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
                     **({"snowflake": snowflake} if snowflake else {})},
         "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60,
                       "max_batches_per_second": max_batches_per_second, "metrics_port": run_metrics_port,
-                      "driver_decode_max_bytes": driver_decode_max_bytes, **({"groups": named} if named else {})},
+                      "driver_decode_max_bytes": driver_decode_max_bytes, **({"groups": named} if named else {}),
+                      **({"apply_threads": apply_threads} if apply_threads else {})},
         # The tables are created empty before the producer starts, so their streams hold every row
         # and there is nothing to snapshot (bench/snapshot.py measures loads; a table added mid-run
         # is loaded by `siphon-dagster snapshot`); the hourly checks
@@ -651,6 +652,8 @@ def main() -> int:
                         help="producer.idle_flush_packages_per_second (default: the producer's own)")
     parser.add_argument("--idle-min-age-seconds", type=float, default=None,
                         help="producer.idle_flush_min_age_seconds (default: the producer's own)")
+    parser.add_argument("--apply-threads", type=int, default=None,
+                        help="streaming.apply_threads: the run's turns, batches written at once (default: the run's own)")
     parser.add_argument("--faults", action="store_true",
                         help="a third into the steady phase kill -9 the streaming runs, two thirds in the producer "
                              "(started again at once); the sensor starts the runs again. The batch figures then "
@@ -682,7 +685,7 @@ def main() -> int:
         run_metrics_port = free_port()
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
                      args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups,
-                     args.idle_packages_per_second, snowflake, args.idle_min_age_seconds)
+                     args.idle_packages_per_second, snowflake, args.idle_min_age_seconds, args.apply_threads)
         create_tables(stack.dsn, names)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()

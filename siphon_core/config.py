@@ -397,6 +397,8 @@ class SparkConfig(_Model):
 
 
 SINGLE_TABLE_DRIVER_DECODE_MAX_BYTES = 1_000_000
+# Batches a group run writes at once by target, where streaming.apply_threads is not set.
+DEFAULT_APPLY_THREADS = {"clickhouse": 8, "snowflake": 16}
 
 
 class StreamingConfig(_Model):
@@ -438,10 +440,20 @@ class StreamingConfig(_Model):
     # changes, since every batch costs the target a statement whatever its size.
     max_batches_per_second: float = Field(default=50.0, gt=0)
     # Batches a group run prepares and writes at once (threads waiting on the target and Spark).
-    apply_threads: int = Field(default=16, ge=1, le=256)
+    # None: the target's own (`apply_threads_for`).
+    apply_threads: int | None = Field(default=None, ge=1, le=256)
     # How long a streaming run trusts its look-up of whether a table's resync is under way (0: it
     # looks before every batch); a resync waits this long, and 2 s more, before its first snapshot.
     shadow_lookup_seconds: float = Field(default=10.0, ge=0, le=300)
+
+    def apply_threads_for(self, target: str) -> int:
+        """`apply_threads`, or the target's default: a ClickHouse insert costs the server CPU more
+        than it waits, and more of them at once only compete for it (with the server on the run's
+        two cores, 8 at once instead of 16 took each write from 0.2 to 0.08 s and freshness p95 at
+        200 tables from 6.7 - 8.9 s to 4.7 - 5.2 s); a Snowflake statement waits on the warehouse."""
+        if self.apply_threads is not None:
+            return self.apply_threads
+        return DEFAULT_APPLY_THREADS[target]
 
     def driver_decode_limit(self, tables: int, remote_spark: bool = False) -> int:
         """`driver_decode_max_bytes` for a run serving `tables` tables. With a Spark Connect server

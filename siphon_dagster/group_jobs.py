@@ -115,7 +115,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         runner = GroupRunner(queue, [spec.table for spec in group.specs], make_consumer, on_batch, on_failure,
                              retry_initial_seconds=config.retry_initial_seconds,
                              tick=tick,
-                             pace=pace, apply_threads=streaming.apply_threads)
+                             pace=pace, apply_threads=streaming.apply_threads_for(group.target))
         started = time.monotonic()
         context.log.info(f"streaming {len(specs)} tables to {group.target}: {', '.join(group.tables)}")
         try:

@@ -78,6 +78,7 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
          "tables: 'public.a' names target(s) ['snowflake'], which are not configured under targets:"),
         ({"targets": {"snowflake": {"account": "a", "user": "u", "stage_min_rows": -1}}},
          "targets.snowflake.stage_min_rows: Input should be greater than or equal to 0"),
+        ({"streaming": {"apply_threads": 0}}, "streaming.apply_threads: Input should be greater than or equal to 1"),
     ],
 )
 def test_errors_name_the_file_the_table_and_the_key(change, expected):
@@ -101,3 +102,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("tables: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_a_runs_apply_threads_are_the_targets_own_unless_set():
+    # ClickHouse inserts cost the server CPU, Snowflake statements wait on the warehouse.
+    default = parse_config(VALID).streaming
+    assert (default.apply_threads_for("clickhouse"), default.apply_threads_for("snowflake")) == (8, 16)
+    chosen = parse_config({**VALID, "streaming": {"apply_threads": 24}}).streaming
+    assert (chosen.apply_threads_for("clickhouse"), chosen.apply_threads_for("snowflake")) == (24, 24)
