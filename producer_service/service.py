@@ -34,7 +34,7 @@ from siphon_core.config import SiphonConfig
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue, QueueError
 from siphon_core.redaction import redact_dsn, redact_url
-from siphon_core.replication import ReplicationConnection
+from siphon_core.replication import ReplicationConnection, ReplicationError
 
 PRODUCER_VERSION = "0.1.0"
 HEARTBEAT_PREFIX = "siphon.heartbeat"
@@ -43,6 +43,9 @@ log = get_logger("producer")
 _GAUGE_SECONDS = 0.5
 _PUBLISH_TIMEOUT_SECONDS = 5.0
 _STATUS_MIN_SECONDS = 0.1
+# A stop waits this long for the walsender to take the final confirmed position and end the stream
+# (it finishes sending the transaction it is decoding first).
+_END_STREAM_SECONDS = 10.0
 
 
 class ProducerService:
@@ -212,6 +215,7 @@ class ProducerService:
             log.info("streaming", slot=self.slot, publication=self.publication)
             await self._loop(replication, control)
             await self._drain(replication)
+            self._end_stream(replication)
         finally:
             self.metrics.healthy = False
             replication.close()
@@ -370,6 +374,18 @@ class ProducerService:
         self._update_gauges()
         self._send_status(replication, force=True)
         log.info("stopped", confirmed_lsn=naming.format_lsn(self.confirmed_lsn))
+
+    def _end_stream(self, replication: ReplicationConnection) -> None:
+        """Makes sure the server took the final confirmed position before the connection closes."""
+        try:
+            if replication.end_stream(_END_STREAM_SECONDS):
+                return
+            problem = f"it did not end the stream within {_END_STREAM_SECONDS:g}s"
+        except ReplicationError as error:
+            problem = str(error)
+        # Every ack is in: at worst a restart resends what the server had not taken yet.
+        log.warning("the source may not have taken the last confirmed position; a restart may resend changes "
+                    "after the one it took", confirmed_lsn=naming.format_lsn(self.confirmed_lsn), problem=problem)
 
     def _health(self) -> tuple[bool, dict[str, object]]:
         return self.metrics.healthy, {

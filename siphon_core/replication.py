@@ -271,6 +271,46 @@ class ReplicationConnection:
         except OperationalError as error:
             raise ReplicationError(f"sending a status update to {self._where} failed: {error}") from None
 
+    def end_stream(self, timeout: float) -> bool:
+        """Ends the stream as the protocol does: CopyDone, then what the server still sends is read
+        and dropped until its own CopyDone and the command's end. The walsender handles our messages
+        in order, so once its CopyDone arrives it has taken every status update sent before: a close
+        without this may reach the server before the last update (or as a reset that discards it),
+        and a restart would resend what was already confirmed. False when the server did not finish
+        within `timeout` seconds; the connection should then just be closed."""
+        if self._selector is None:
+            raise ReplicationError("end_stream before start(): the connection is not streaming")
+        pgconn = self._pgconn
+        deadline = time.monotonic() + timeout
+        try:
+            pgconn.put_copy_end()
+            pgconn.flush()
+            while (nbytes := pgconn.get_copy_data(1)[0]) != -1:  # data past the last confirmed LSN: dropped
+                if nbytes == 0 and not self._wait_for_input(deadline):
+                    return False
+            while True:
+                while pgconn.is_busy():
+                    if not self._wait_for_input(deadline):
+                        return False
+                result = pgconn.get_result()
+                if result is None:
+                    return True
+                if result.status not in _OK:
+                    raise self._result_error("ending the replication stream", result)
+        except OperationalError as error:
+            raise ReplicationError(f"ending the replication stream from {self._where} failed: {error}") from None
+        finally:
+            self._selector.close()
+            self._selector = None
+
+    def _wait_for_input(self, deadline: float) -> bool:
+        assert self._selector is not None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not self._selector.select(remaining):
+            return False
+        self._pgconn.consume_input()
+        return True
+
     def close(self) -> None:
         if self._selector is not None:
             self._selector.close()

@@ -191,6 +191,28 @@ def test_status_update_moves_the_slot_and_a_requested_reply_arrives(source):
         assert confirmed == commit.end_lsn
 
 
+def test_ending_the_stream_returns_once_the_server_took_the_last_status_update(source):
+    with ReplicationConnection(source.dsn) as replication:
+        replication.create_slot(source.slot, temporary=True)
+        replication.start(source.slot, [source.publication], 0)
+        with psycopg.connect(source.dsn, autocommit=True) as writer:  # 300 commits the reader is behind on
+            for i in range(300):
+                writer.execute(sql.SQL("INSERT INTO {} VALUES (%s, 'x')").format(source.table()), (i,))
+        commit = read_transaction(replication)[-1][1]
+        assert isinstance(commit, Commit)
+        replication.send_status(commit.end_lsn, commit.end_lsn, commit.end_lsn)
+
+        assert replication.end_stream(timeout=10.0)
+
+        # No polling: the server had taken the update when it ended the stream.
+        rows = source.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                              (source.slot,))
+        assert parse_lsn(rows[0][0]) == commit.end_lsn
+        assert replication.slot_exists(source.slot)  # the connection takes commands again
+        with pytest.raises(ReplicationError, match="not streaming"):
+            replication.read(0.1)
+
+
 def test_answering_keepalives_keeps_the_stream_alive_past_the_sender_timeout(source):
     # The server asks for a reply after half of wal_sender_timeout without one, and hangs up after all of it.
     dsn = make_conninfo(source.dsn, options="-c wal_sender_timeout=1s")
