@@ -731,8 +731,19 @@ def main() -> int:
                 pids = tree(dagster.pid)
                 samples.append((time.monotonic() - started, rss_mb(pids), len(pids)))
 
+            def machine_parts() -> dict[str, Callable[[], list[int]]]:
+                return {"ClickHouse (embedded)": lambda: [stack.clickhouse_pid],
+                        "NATS": lambda: [stack.nats_pid], "PostgreSQL": lambda: tree(stack.postgres_pid),
+                        "producer": lambda: tree(producer.pid), "benchmark (writer, poller)": lambda: [os.getpid()],
+                        "dagster": lambda: tree(dagster.pid),
+                        **({"fakesnow": lambda: [fakesnow_pid]} if fakesnow_pid else {})}
+
+            # Where the cores go while the tables start streaming, from `dagster dev`'s start.
+            startup_cpu = CpuSplit(machine_parts())
+            startup_cpu.start()
             all_streaming = None
             run_started = first_streaming = None  # where the wait for every table goes
+            streaming_timeline: list[tuple[int, int]] = []  # (seconds since the start, tables streaming)
             while time.monotonic() - started < 300:
                 sample()
                 elapsed = time.monotonic() - started
@@ -741,18 +752,17 @@ def main() -> int:
                 visible = len([n for n in names if poller.visible.get(n, 0) >= 1])
                 if first_streaming is None and visible:
                     first_streaming = elapsed
+                if int(elapsed) // 10 > (streaming_timeline[-1][0] // 10 if streaming_timeline else -1):
+                    streaming_timeline.append((int(elapsed), visible))
                 if visible == len(names):
                     all_streaming = elapsed
                     break
                 if writer.error or poller.error:
                     raise RuntimeError(f"writer: {writer.error}; poller: {poller.error}")
                 time.sleep(SAMPLE_SECONDS)
+            startup_cpu.stop()
             streaming_tables = len([n for n in names if poller.visible.get(n, 0) >= 1])
-            cpu = CpuSplit({"ClickHouse (embedded)": lambda: [stack.clickhouse_pid],
-                            "NATS": lambda: [stack.nats_pid], "PostgreSQL": lambda: tree(stack.postgres_pid),
-                            "producer": lambda: tree(producer.pid), "benchmark (writer, poller)": lambda: [os.getpid()],
-                            "dagster": lambda: tree(dagster.pid),
-                            **({"fakesnow": lambda: [fakesnow_pid]} if fakesnow_pid else {})})
+            cpu = CpuSplit(machine_parts())
             cpu.start()
             batches_before = run_metrics(run_metrics_port)
             steady_from = time.time()
@@ -835,6 +845,9 @@ def main() -> int:
         "batch_phase_mean_s": {phase: round((seconds - batches_before["phases"].get(phase, 0.0)) / steady_batches, 4)
                                for phase, seconds in batches_after["phases"].items()} if steady_batches else {},
         "cpu_cores": {role: round(cores, 3) for role, cores in sorted(cpu.cores.items(), key=lambda kv: -kv[1])},
+        "startup_cpu_cores": {role: round(cores, 3)
+                              for role, cores in sorted(startup_cpu.cores.items(), key=lambda kv: -kv[1])},
+        "streaming_timeline": streaming_timeline,
         "faults": (faults.done if faults is not None else []) + (change.done if change is not None else []),
         "tables_compared": len(compared), "rows_differing_by_target": differing_by_target,
         "drained_s_by_target": drained_at,
@@ -844,6 +857,10 @@ def main() -> int:
         print(f"  {name}")
     for problem in problems[:20]:
         print(f"  {problem}")
+    print(f"\nCPU from `dagster dev`'s start until every table streamed ({os.cpu_count()} cores):")
+    for role, cores in figures["startup_cpu_cores"].items():
+        print(f"  {role:32s} {cores:5.2f} cores")
+    print("  tables streaming: " + ", ".join(f"{count} at {second} s" for second, count in streaming_timeline))
     print(f"\nCPU during the steady phase ({os.cpu_count()} cores):")
     for role, cores in figures["cpu_cores"].items():
         print(f"  {role:32s} {cores:5.2f} cores")

@@ -112,10 +112,13 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         # Draining by hand cuts batches at the configured wait: the pace is for a run that keeps up.
         pace = None if config.stop_when_drained else BatchPace(streaming.batch_max_wait_seconds,
                                                                streaming.max_batches_per_second)
+        apply_threads = streaming.apply_threads_for(group.target)
+        # As many again for first batches: a run of hundreds of new tables starts faster, and the
+        # tables already streaming keep the target's own number of turns.
         runner = GroupRunner(queue, [spec.table for spec in group.specs], make_consumer, on_batch, on_failure,
                              retry_initial_seconds=config.retry_initial_seconds,
                              tick=tick,
-                             pace=pace, apply_threads=streaming.apply_threads_for(group.target))
+                             pace=pace, apply_threads=apply_threads, first_batch_turns=apply_threads)
         started = time.monotonic()
         context.log.info(f"streaming {len(specs)} tables to {group.target}: {', '.join(group.tables)}")
         try:

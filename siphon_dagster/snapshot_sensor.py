@@ -113,7 +113,7 @@ class TargetProbe:
         try:
             if self._target is None:
                 self._target = self._resource.open_target()
-            return not self._target.describe_columns(TableSchema(spec.schema, spec.name, ()))
+            return not self._target.table_exists(TableSchema(spec.schema, spec.name, ()))
         except Exception as error:  # any failure to reach it: this target waits, the others go on
             self.error = str(error)
             self._log.warning(f"{self.name}: cannot reach the target, so no snapshot of it is requested this "

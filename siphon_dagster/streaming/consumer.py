@@ -40,7 +40,7 @@ from siphon_dagster.streaming.batch import MAX_EXPANSION_OF_MESSAGE_LIMIT, Packa
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.strategy import ErrorStrategy, RetryPolicy, StreamApplyError
-from siphon_dagster.streaming.turns import Turns
+from siphon_dagster.streaming.turns import Turn, Turns
 from siphon_dagster.targets.base import Target
 
 _log = get_logger("streaming.consumer")
@@ -112,7 +112,7 @@ class StreamConsumer:
         self.turns: Turns | None = None
         self._applied_any = False  # whether a batch of this consumer was applied
         self.strategy.sleep = self._wait_without_turn
-        self._turn_held = False
+        self._turn: Turn | None = None  # the turn this table's batch holds
         self._turn_seconds = 0.0  # how long the batch being pulled waited for its turn
         self._last_schema: object = None
         self._first_message_at = 0.0  # when a group run's pull got its batch's first message
@@ -303,19 +303,18 @@ class StreamConsumer:
         return first + await self._take_waiting(subscription, len(first), sum(len(m.data) for m in first))
 
     def _turns_contended(self) -> bool:
-        return self.turns is not None and not self.pipelined and self.turns.locked()
+        return self.turns is not None and not self.pipelined and self.turns.locked(not self._applied_any)
 
     async def _take_turn(self) -> bool:
         """Waits for a turn (in a group run); False when the run was stopped first."""
         self._turn_seconds = 0.0
-        if self.turns is None or self.pipelined or self._turn_held:
+        if self.turns is None or self.pipelined or self._turn is not None:
             return True
         if self._stopping.is_set():
             return False
         first = not self._applied_any
-        if not self.turns.locked():  # a turn is free: taken without a task or a wait
-            await self.turns.acquire(first)
-            self._turn_held = True
+        if not self.turns.locked(first):  # a turn is free: taken without a task or a wait
+            self._turn = await self.turns.acquire(first)
             return True
         started = time.perf_counter()
         acquiring = asyncio.ensure_future(self.turns.acquire(first))
@@ -331,27 +330,26 @@ class StreamConsumer:
                 await acquiring
             # A turn granted as the wait ended is held all the same, and given back with the batch
             # (or by the loop's end, when this task was cancelled).
-            self._turn_held = not acquiring.cancelled()
+            self._turn = None if acquiring.cancelled() else acquiring.result()
         self._turn_seconds = time.perf_counter() - started
-        return self._turn_held
+        return self._turn is not None
 
     async def _wait_without_turn(self, seconds: float) -> None:
         """A failed batch's wait before its retry, with its turn given back: a table whose target
         keeps failing would otherwise hold a turn, and the other tables' batches, through every
         backoff."""
-        held = self._turn_held
+        held = self._turn is not None
         self._end_turn()
         await asyncio.sleep(seconds)
         if held:
             assert self.turns is not None
-            await self.turns.acquire(not self._applied_any)
-            self._turn_held = True
+            self._turn = await self.turns.acquire(not self._applied_any)
 
     def _end_turn(self) -> None:
-        if self._turn_held:
-            self._turn_held = False
+        if self._turn is not None:
+            turn, self._turn = self._turn, None
             assert self.turns is not None
-            self.turns.release()
+            self.turns.release(turn)
 
     async def _take_waiting(self, subscription: JetStreamContext.PullSubscription, count: int,
                             size: int) -> list[Msg]:

@@ -57,7 +57,7 @@ class GroupRunner:
                  retry_initial_seconds: float = 15.0, retry_max_seconds: float = 600.0,
                  tick: Callable[[], None] | None = None, tick_seconds: float = 5.0,
                  pace: BatchPace | None = None, apply_threads: int = 16, setup_concurrency: int = 8,
-                 decode_concurrency: int | None = None) -> None:
+                 decode_concurrency: int | None = None, first_batch_turns: int = 0) -> None:
         self.queue = queue
         self.tables = list(tables)
         self.make_consumer = make_consumer
@@ -75,6 +75,8 @@ class GroupRunner:
         # Batches are prepared and written on threads (the target's statements wait on the network);
         # asyncio's default pool of a few threads would queue hundreds of tables behind each other.
         self.apply_threads = apply_threads
+        # Turns only tables' first batches take, beyond `apply_threads` (see turns.Turns).
+        self.first_batch_turns = first_batch_turns
         self.setup_concurrency = setup_concurrency
         self._setup_gate: asyncio.Semaphore | None = None
         self._turns: Turns | None = None
@@ -113,10 +115,11 @@ class GroupRunner:
     async def run_async(self, stop_when_drained: bool = False) -> GroupSummary:
         self._loop = asyncio.get_running_loop()
         self._started_at = time.monotonic()
-        self._loop.set_default_executor(ThreadPoolExecutor(self.apply_threads, thread_name_prefix="siphon-apply"))
+        self._loop.set_default_executor(ThreadPoolExecutor(self.apply_threads + self.first_batch_turns,
+                                                           thread_name_prefix="siphon-apply"))
         self._setup_gate = asyncio.Semaphore(self.setup_concurrency)
         # Batches taken at once, one per apply thread (see StreamConsumer.turns).
-        self._turns = Turns(self.apply_threads)
+        self._turns = Turns(self.apply_threads, first_extra=self.first_batch_turns)
         settle_heap()  # what is loaded before the first table starts: Dagster, the definitions
         self._cpu_executor = ThreadPoolExecutor(self.decode_concurrency, thread_name_prefix="siphon-decode")
         self._stopped = asyncio.Event()

@@ -199,6 +199,9 @@ class Target(Protocol):
     def describe_columns(self, table: TableSchema) -> list[TargetColumn]:
         """The target table's columns as the target reports them (meta columns included)."""
 
+    def table_exists(self, table: TableSchema) -> bool:
+        """Whether the target table exists (cheaper than `describe_columns` where the target can)."""
+
     # What the checks read; digests as defined in siphon_dagster.checks.digest.
 
     @property

@@ -172,6 +172,11 @@ class ClickHouseTarget(SqlTarget):
         # From the database's metadata: several times faster than a query of system.columns.
         return bool(int(self._execute(names, "looking for a table", f"EXISTS TABLE {names.qualified(name)}")))
 
+    def _stored_columns_if_exists(self, names: TableNames, name: str) -> list[StoredColumn]:
+        # system.columns lists every table of the database before it filters (8 ms each at 500
+        # tables, 4.7 at 100): a run's first batches of hundreds of new tables paid it twice each.
+        return self._stored_columns(names, name) if self._table_exists(names, name) else []
+
     def _listed_shadows(self, names: TableNames) -> set[str] | None:
         rows = self._fetch(names, "looking for resync tables",
                            "SELECT name FROM system.tables WHERE database = {db:String} AND endsWith(name, {s:String})",
@@ -248,7 +253,7 @@ class ClickHouseTarget(SqlTarget):
                                   "targets.clickhouse.table_settings in siphon.yaml without them ({} for none)") from error
             raise
         if not change.incompatible:
-            self._ensure_landing(self._names(table))
+            self._ensure_landing(self._names(table), new=change.created)
         return change
 
     def _landing_of(self, names: TableNames) -> tuple[str, str, str]:
@@ -259,11 +264,13 @@ class ClickHouseTarget(SqlTarget):
         bare = f"{names.table_name}{sql.LANDING_INFIX}{fingerprint}"
         return bare, names.qualified(bare), names.qualified(f"{bare}_view")
 
-    def _ensure_landing(self, names: TableNames) -> None:
+    def _ensure_landing(self, names: TableNames, new: bool = False) -> None:
+        """`new`: the live table was made just now, so is its landing (both statements are
+        idempotent: a landing left over by a table dropped by hand is kept)."""
         bare, landing, view = self._landing_of(names)
         # The view is made after its landing and dropped before it (drop_table): a landing that
         # exists always has its view, so an insert into it is never taken in and thrown away.
-        if not self._table_exists(names, f"{bare}_view"):
+        if new or not self._table_exists(names, f"{bare}_view"):
             self._execute(names, "creating the landing table", sql.create_landing(landing, names.table))
             self._execute(names, "creating the landing view", sql.landing_view(view, landing, bare, names.live,
                                                                               names.table))

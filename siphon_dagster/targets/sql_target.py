@@ -186,7 +186,7 @@ class SqlTarget(ABC):
         check_columns(table)
         names = self._names(table)
         change = SchemaChange()
-        stored = self._stored_columns(names, names.table_name)
+        stored = self._stored_columns_if_exists(names, names.table_name)
         altered = False
         if not stored:
             self._execute(names, "creating the table", self.dialect.create_table(names.live, table))
@@ -203,8 +203,9 @@ class SqlTarget(ABC):
                 followed = self._follow_column(names, targets, column, existing.get(column.name), change,
                                                backfill.get(column.name))
                 altered = followed or altered
-        view = [c.name for c in self._stored_columns(names, names.bare("view"))]
-        if altered or view != view_columns(table):
+        # A table made just now has no view of its columns yet (both statements make or replace).
+        if change.created or altered or [c.name for c in self._stored_columns(names, names.bare("view"))] \
+                != view_columns(table):
             # New table, new or dropped source columns: the view lists exactly the source's columns.
             # A view keeps the column types it was created with, so an altered type remakes it too.
             self._execute(names, "creating the truncations table", self.dialect.create_truncations(names))
@@ -220,6 +221,15 @@ class SqlTarget(ABC):
         self._execute(names, "dropping the view", f"DROP VIEW IF EXISTS {names.view}")
         for target in (names.live, names.shadow, names.truncations):
             self._execute(names, "dropping a table", f"DROP TABLE IF EXISTS {target}")
+
+    def table_exists(self, table: TableSchema) -> bool:
+        names = self._names(table)
+        return self._table_exists(names, names.table_name)
+
+    def _stored_columns_if_exists(self, names: TableNames, name: str) -> list[StoredColumn]:
+        """`_stored_columns`; a target whose catalog query costs more than an existence test and
+        grows with the number of tables asks whether the table exists first."""
+        return self._stored_columns(names, name)
 
     def _table_exists(self, names: TableNames, name: str) -> bool:
         """Whether table `name` (bare) exists; a target with a cheaper test than reading its

@@ -77,7 +77,7 @@ def target(request: pytest.FixtureRequest, unique_name: str, monkeypatch: pytest
     if request.param == "clickhouse_staged":
         monkeypatch.setattr(clickhouse, "EXTERNAL_BATCH_MAX_BYTES", -1)
     if request.param in ("clickhouse_external", "clickhouse_staged"):
-        monkeypatch.setattr(clickhouse.ClickHouseTarget, "_ensure_landing", lambda self, names: None)
+        monkeypatch.setattr(clickhouse.ClickHouseTarget, "_ensure_landing", lambda self, names, new=False: None)
     built = make_target(request, request.param, unique_name)
     yield built
     built.close()
@@ -245,6 +245,16 @@ def test_composite_key_and_awkward_identifiers(target: Target, variant: str) -> 
     assert found == {("a b", "2"): {'Val"ue`s\\': "snap", "Größe": "-0"}, ("e\tf", "3"): {'Val"ue`s\\': "x\\y", "Größe": "1e+300"}}
     described = [c.name for c in target.describe_columns(AWKWARD)]
     assert described == [*AWKWARD.column_names, "_siphon_version", "_siphon_deleted", "_siphon_synced_at"]
+
+
+def test_a_table_exists_once_ensured_and_a_second_ensure_changes_nothing(target: Target) -> None:
+    assert not target.table_exists(NOTES)
+    assert target.ensure_table(NOTES).created
+    assert target.table_exists(NOTES)
+    again = target.ensure_table(NOTES)
+    assert (again.created, again.added_columns, again.incompatible) == (False, [], [])
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "a", 1, 10)]))  # the view and (ClickHouse) the landing were made
+    assert target.current_rows_as_text(NOTES) == [("1", "a", "1")]
 
 
 def test_new_source_column_is_added_and_type_change_reported(target: Target) -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from siphon_dagster.streaming.turns import Turns
+from siphon_dagster.streaming.turns import Turn, Turns
 
 
 async def _settle() -> None:
@@ -95,3 +95,43 @@ def test_a_turn_granted_as_its_wait_is_cancelled_is_handed_on() -> None:
 def test_turns_need_at_least_one() -> None:
     with pytest.raises(ValueError, match="at least one, not 0"):
         Turns(0)
+
+
+def test_first_batches_take_their_own_turns_and_later_batches_never_do() -> None:
+    async def scenario() -> None:
+        turns = Turns(1, first_extra=2)
+        shared = await turns.acquire()
+        assert shared is Turn.SHARED and turns.locked() and not turns.locked(first=True)
+        own = [await turns.acquire(first=True), await turns.acquire(first=True)]
+        assert own == [Turn.FIRST_ONLY, Turn.FIRST_ONLY] and turns.locked(first=True)
+        later = asyncio.ensure_future(turns.acquire())
+        first = asyncio.ensure_future(turns.acquire(first=True))
+        await _settle()
+        turns.release(own[0])  # a first batch's own turn goes to the first batch waiting, never to a later one
+        await _settle()
+        assert first.done() and first.result() is Turn.FIRST_ONLY and not later.done()
+        turns.release(own[1])
+        await _settle()
+        assert not later.done()
+        turns.release(shared)
+        await _settle()
+        assert later.done() and later.result() is Turn.SHARED
+        assert not turns.locked(first=True) and turns.locked()  # one own turn free, the shared one held
+
+    asyncio.run(scenario())
+
+
+def test_a_first_batch_takes_its_own_turn_before_a_shared_one() -> None:
+    async def scenario() -> None:
+        turns = Turns(1, first_extra=1)
+        assert await turns.acquire(first=True) is Turn.FIRST_ONLY
+        assert not turns.locked()  # the shared turn is left for a later batch
+        assert await turns.acquire(first=True) is Turn.SHARED
+        assert turns.locked() and turns.locked(first=True)
+
+    asyncio.run(scenario())
+
+
+def test_own_turns_of_first_batches_are_zero_or_more() -> None:
+    with pytest.raises(ValueError, match="zero or more, not -1"):
+        Turns(1, first_extra=-1)
