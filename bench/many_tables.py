@@ -555,7 +555,7 @@ def keep_logs(directory: Path) -> None:
     runs_output = directory / "dagster_home" / "storage"
     if runs_output.is_dir():
         shutil.copytree(runs_output, kept / "runs-output")
-    print(f"rows differ: the logs are kept in {kept}", flush=True)
+    print(f"the logs are kept in {kept}", flush=True)
 
 
 def instance_database(dsn: str) -> str:
@@ -654,6 +654,8 @@ def main() -> int:
                         help="producer.idle_flush_min_age_seconds (default: the producer's own)")
     parser.add_argument("--apply-threads", type=int, default=None,
                         help="streaming.apply_threads: the run's turns, batches written at once (default: the run's own)")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the stack's and Dagster's logs (they are kept anyway when rows differ)")
     parser.add_argument("--faults", action="store_true",
                         help="a third into the steady phase kill -9 the streaming runs, two thirds in the producer "
                              "(started again at once); the sensor starts the runs again. The batch figures then "
@@ -811,7 +813,7 @@ def main() -> int:
                 count, found = differing_rows(config_path, target_name)
                 differing_by_target[target_name] = count
                 differing, problems = differing + count, problems + found
-            if differing:
+            if differing or args.keep_logs:
                 keep_logs(directory)
             final_pids = tree(dagster.pid)
             final_names = names_of(final_pids)
@@ -845,6 +847,10 @@ def main() -> int:
         "batch_phase_mean_s": {phase: round((seconds - batches_before["phases"].get(phase, 0.0)) / steady_batches, 4)
                                for phase, seconds in batches_after["phases"].items()} if steady_batches else {},
         "cpu_cores": {role: round(cores, 3) for role, cores in sorted(cpu.cores.items(), key=lambda kv: -kv[1])},
+        "startup_batches": batches_before["batches"],
+        "startup_batch_phase_mean_s": {phase: round(seconds / batches_before["batches"], 4)
+                                       for phase, seconds in batches_before["phases"].items()}
+        if batches_before["batches"] else {},
         "startup_cpu_cores": {role: round(cores, 3)
                               for role, cores in sorted(startup_cpu.cores.items(), key=lambda kv: -kv[1])},
         "streaming_timeline": streaming_timeline,
@@ -861,6 +867,8 @@ def main() -> int:
     for role, cores in figures["startup_cpu_cores"].items():
         print(f"  {role:32s} {cores:5.2f} cores")
     print("  tables streaming: " + ", ".join(f"{count} at {second} s" for second, count in streaming_timeline))
+    print(f"  {figures['startup_batches']:.0f} batches applied by then; mean seconds per batch by phase: "
+          + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in figures["startup_batch_phase_mean_s"].items()))
     print(f"\nCPU during the steady phase ({os.cpu_count()} cores):")
     for role, cores in figures["cpu_cores"].items():
         print(f"  {role:32s} {cores:5.2f} cores")

@@ -12,7 +12,7 @@ from dagster._core.test_utils import create_run_for_test
 from psycopg import sql
 
 from siphon_core.config import parse_config
-from siphon_dagster import source
+from siphon_dagster import snapshot_sensor, source
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.snapshot_sensor import AUTOLOAD_TAG, LOAD_TAG, build_snapshot_sensor, record_drop
 from siphon_dagster.specs import table_specs
@@ -319,6 +319,38 @@ def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, post
         # A tick reads the partitions of the tables it looks at, none of the others.
         assert read[:2] == [{specs[0].partitions_def_name}, {specs[1].partitions_def_name}]
         assert json.loads(cursor)["_resume"] == f"clickhouse:{specs[1].qualified_name}"
+
+
+def test_a_first_start_looks_at_new_tables_within_the_budget_and_adds_every_partition(config, postgres_dsn,
+                                                                                       monkeypatch):
+    schema = config.application_identifier
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create table {} (id int primary key)").format(sql.Identifier(schema, "other")))
+    both = parse_config({**config.model_dump(by_alias=True),
+                         "tables": [t.model_dump() for t in config.tables] + [{"name": f"{schema}.other"}]})
+    specs = table_specs(both)
+    defs = build_definitions(both)
+    looked_at = snapshot_sensor._tick_table
+
+    def slow_look(*args, **kwargs):  # each look outlasts the budget
+        time.sleep(0.3)
+        return looked_at(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot_sensor, "_tick_table", slow_look)
+    sensor = build_snapshot_sensor(specs, "test", both.snapshots, tick_budget_seconds=0.2)
+    with dg.instance_for_test() as instance:
+        first = sensor(dg.build_sensor_context(instance=instance, resources=build_resources(both), definitions=defs))
+        # Both tables are new: the first is looked at (a load asked for), the second waits, and
+        # both get their partitions now.
+        assert {r.tags[AUTOLOAD_TAG] for r in first.run_requests} == {f"clickhouse:{specs[0].qualified_name}"}
+        assert {r.partitions_def_name for r in first.dynamic_partitions_requests} == \
+            {spec.partitions_def_name for spec in specs}
+        assert json.loads(first.cursor)["_resume"] == f"clickhouse:{specs[1].qualified_name}"
+        for request in first.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        second = sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor, resources=build_resources(both),
+                                                definitions=defs))
+        assert f"clickhouse:{specs[1].qualified_name}" in {r.tags[AUTOLOAD_TAG] for r in second.run_requests}
 
 
 def test_an_unreachable_target_requests_nothing_and_fails_no_tick(config, postgres_dsn, nats_url):
