@@ -30,13 +30,15 @@ from siphon_dagster.snapshot_plan import (
     plan_table,
 )
 from siphon_dagster.specs import TableSpec
+from siphon_dagster.stream_groups import APPLICATION_TAG
 from siphon_dagster.table_state import (
     IN_PROGRESS_RUNS,
+    NOT_STREAMING,
     TableState,
     check_results,
     latest_batch,
     state_observation,
-    streaming_status,
+    streaming_states,
 )
 from siphon_dagster.targets.base import TableSchema
 
@@ -147,6 +149,7 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         settled_look_seconds = settled_look_interval(tables) if table_check_seconds else 0.0
     targets = sorted({target for spec in specs for target in spec.targets})
     checks = dict(check_keys or {})
+    application_tag = specs[0].tags[APPLICATION_TAG] if specs else ""
 
     @dg.sensor(
         name=f"{group}_snapshots",
@@ -189,13 +192,13 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         first = names.index(state[RESUME_KEY]) if state.get(RESUME_KEY) in names else 0
         cursor: dict[str, Any] = {name: state[name] for name in names if name in state}
 
-        # A group's tables share one streaming job: its runs are read once a tick.
-        streaming: dict[str, str] = {}
+        # Which tables the streaming runs serve: read once a tick, for every table at once.
+        streaming: list[dict[tuple[str, str], str]] = []
 
-        def streaming_of(job_name: str) -> str:
-            if job_name not in streaming:
-                streaming[job_name] = streaming_status(context.instance, job_name)
-            return streaming[job_name]
+        def streaming_of(target: str, table: str) -> str:
+            if not streaming:
+                streaming.append(streaming_states(context.instance, application_tag))
+            return streaming[0].get((target, table), NOT_STREAMING)
 
         def tick(spec: TableSpec, target: str, name: str, keys: Sequence[str]) -> None:
             try:
@@ -271,7 +274,7 @@ def _missing_partitions(context: dg.SensorEvaluationContext, empty: list[TableSp
 def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: str, keys: Sequence[str],
                 entry: Mapping[str, Any], probe: TargetProbe, settings: SnapshotsConfig,
                 check_keys: Sequence[dg.AssetCheckKey], table_check_seconds: float,
-                streaming_of: Callable[[str], str]) -> tuple[list[dg.RunRequest], dg.AssetObservation | None,
+                streaming_of: Callable[[str, str], str]) -> tuple[list[dg.RunRequest], dg.AssetObservation | None,
                                                             dict[str, Any]]:
     instance = context.instance
     asset_key = spec.target_key(target)
@@ -310,7 +313,7 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
         failed_attempts={key: record["attempts"] for key, record in failed.items()},
         exhausted=exhausted(plan.entry, settings.max_attempts),
         next_retry=min(waiting) if waiting else None,
-        streaming=streaming_of(spec.stream_job_name(target)),
+        streaming=streaming_of(target, spec.qualified_name),
         checks=check_results(instance, check_keys),
     )
     digest = table_state.digest()

@@ -19,6 +19,7 @@ from typing import Any
 import dagster as dg
 
 from siphon_dagster.snapshot_plan import Partitions
+from siphon_dagster.stream_groups import APPLICATION_TAG, STREAM_TAG, served_tables
 
 IN_PROGRESS_RUNS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
                     dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
@@ -71,11 +72,31 @@ class TableState:
         return hashlib.sha1(json.dumps(summary).encode()).hexdigest()[:16]
 
 
-def streaming_status(instance: dg.DagsterInstance, job_name: str) -> str:
-    records = instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=IN_PROGRESS_RUNS), limit=5)
-    if any(r.dagster_run.status == dg.DagsterRunStatus.STARTED for r in records):
-        return "running"
-    return "starting" if records else "not running"
+NOT_STREAMING = "not running"
+
+
+def streaming_states(instance: dg.DagsterInstance, application_tag: str) -> dict[tuple[str, str], str]:
+    """(target, schema.table) -> "running" or "starting" for every table an in-progress streaming
+    run of the application serves: the group runs (by the tables they are tagged with) and
+    single-table drains. One query for every table; a table left out is `NOT_STREAMING`."""
+    records = instance.get_run_records(dg.RunsFilter(statuses=IN_PROGRESS_RUNS, tags={APPLICATION_TAG: application_tag}),
+                                       limit=1000)
+    states: dict[tuple[str, str], str] = {}
+    for record in records:
+        run = record.dagster_run
+        served = served_tables(run)
+        if served is not None:
+            target, _, tables = served
+        elif STREAM_TAG in run.tags:
+            target, _, table = run.tags[STREAM_TAG].partition(":")
+            tables = {table}
+        else:
+            continue
+        state = "running" if run.status == dg.DagsterRunStatus.STARTED else "starting"
+        for table in tables:
+            if states.get((target, table)) != "running":
+                states[(target, table)] = state
+    return states
 
 
 def latest_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> dict[str, Any]:

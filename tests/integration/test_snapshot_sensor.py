@@ -16,6 +16,7 @@ from siphon_dagster import snapshot_sensor, source
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.snapshot_sensor import AUTOLOAD_TAG, LOAD_TAG, build_snapshot_sensor, record_drop
 from siphon_dagster.specs import table_specs
+from siphon_dagster.stream_groups import stream_groups
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
 
 
@@ -370,8 +371,8 @@ def test_the_state_shows_streaming_lag_and_check_results(config):
             asset_key=harness.key, metadata={"applied_lsn": "0/16B3748", "lag_seconds": 1.5}))
         instance.report_runless_asset_event(dg.AssetCheckEvaluation(
             asset_key=harness.key, check_name=CHECK, passed=False, severity=dg.AssetCheckSeverity.ERROR))
-        create_run_for_test(instance, job_name=harness.spec.stream_job_name("clickhouse"),
-                            status=dg.DagsterRunStatus.STARTED)
+        group = next(g for g in stream_groups(config, table_specs(config)) if g.target == "clickhouse")
+        create_run_for_test(instance, job_name=group.job_name, status=dg.DagsterRunStatus.STARTED, tags=group.tags)
         metadata = harness.tick().asset_events[0].metadata
         assert metadata["siphon/checks"].value == {CHECK: "failed (error)"}
         assert metadata["siphon/streaming"].value == "running"

@@ -108,3 +108,32 @@ def test_flush_returns_what_is_left_when_the_run_ends():
     limiter.add(report(sequence=2), now=1)
     [left] = limiter.flush(now=2)
     assert left.last_sequence == 2
+
+
+def test_the_tables_streaming_are_read_off_the_group_runs_and_single_table_drains():
+    import dagster as dg
+    from dagster._core.test_utils import create_run_for_test
+
+    from siphon_dagster.jobs import stream_tag_value
+    from siphon_dagster.stream_groups import STREAM_TAG
+    from siphon_dagster.table_state import streaming_states
+
+    config = with_groups({"hot": ["public.events"]})
+    specs = table_specs(config)
+    groups = {g.job_name: g for g in stream_groups(config, specs)}
+    notes = next(spec for spec in specs if spec.qualified_name == "public.notes")
+    with dg.instance_for_test() as instance:
+        for job, status in (("stream_clickhouse", dg.DagsterRunStatus.STARTED),
+                            ("stream_snowflake__hot", dg.DagsterRunStatus.STARTING),
+                            ("stream_snowflake", dg.DagsterRunStatus.SUCCESS)):  # ended: serves nothing
+            create_run_for_test(instance, job_name=job, status=status, tags=groups[job].tags)
+        create_run_for_test(instance, job_name=notes.stream_job_name("snowflake"), status=dg.DagsterRunStatus.NOT_STARTED,
+                            tags={STREAM_TAG: stream_tag_value(notes, "snowflake"), **notes.tags})
+        other = parse_config({**BASE, "application_identifier": "other"})
+        create_run_for_test(instance, job_name="stream_clickhouse", status=dg.DagsterRunStatus.STARTED,
+                            tags=stream_groups(other, table_specs(other))[0].tags)  # another application's
+
+        states = streaming_states(instance, notes.tags["siphon/application"])
+
+    assert states == {("clickhouse", "audit.log"): "running", ("clickhouse", "public.notes"): "running",
+                      ("snowflake", "public.events"): "starting", ("snowflake", "public.notes"): "starting"}
