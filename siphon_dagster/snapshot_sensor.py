@@ -84,7 +84,9 @@ def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int
     """Whether a drop was recorded after the observation `seen` (a storage id), and the latest
     observation's id. The first look only sets that mark: an older drop was followed by a load."""
     filters = dg.AssetRecordsFilter(asset_key=asset_key, after_storage_id=seen)
-    records = instance.fetch_observations(filters, limit=_DROP_LOOKBACK).records
+    # The first look needs the latest observation only (newest first): the table's own state
+    # observations may be a hundred, each read and decoded.
+    records = instance.fetch_observations(filters, limit=_DROP_LOOKBACK if seen is not None else 1).records
     if not records:
         return False, seen
     latest = max(record.storage_id for record in records)
