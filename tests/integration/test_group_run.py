@@ -17,6 +17,7 @@ from siphon_core.config import StreamingConfig, TableConfig, parse_config
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.streaming.consumer import StreamConsumer
 from siphon_dagster.streaming.group_run import SWITCH_INTERVAL_SECONDS, GroupRunner, TableFailure
+from siphon_dagster.streaming.pace import BatchPace
 from siphon_dagster.streaming.report import BatchReport
 from siphon_dagster.streaming.schema import table_schema
 from siphon_dagster.streaming.spark_session import get_spark_session
@@ -429,5 +430,45 @@ def test_a_tables_first_batch_goes_ahead_of_the_batches_of_tables_already_stream
     # the one that held the turn then. In arrival order the three busy tables waiting in line would
     # each have written first.
     assert len([t for t in after[:last_new] if t in busy]) <= 2, after
+    for target in opened:
+        target.close()
+
+
+def test_a_tables_first_batch_does_not_wait_for_the_pace_and_its_later_ones_do(
+        request, nats_url, postgres_dsn, clickhouse_url, unique_name):
+    """The pace makes a busy run's batches collect longer; a table's first batch is applied at
+    once, since the table is not streaming until it lands."""
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["paced"])
+    publish_backlogs(nats_url, unique_name, ["paced"], 1)
+    resources = build_resources(config)
+    shared = resources["queue"].queue()
+    opened = []
+    reports: list[BatchReport] = []
+
+    def make_consumer(table: TableConfig) -> StreamConsumer:
+        opened.append(resources["clickhouse_target"].open_target())
+        made = StreamConsumer(shared, opened[-1], table, lambda: pytest.fail("no Spark for small batches"),
+                              StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05), source=None)
+        made.idle_pull_seconds = 1.0
+        made.pipelined = False
+        return made
+
+    def publish_later() -> None:
+        publish(nats_url, unique_name, [package([insert(0x400, "9", "paced later", "9")], table="paced")],
+                table="paced")
+
+    def on_batch(report: BatchReport) -> None:
+        reports.append(report)
+        if len(reports) == 1:
+            threading.Thread(target=publish_later).start()
+        else:
+            runner.stop()
+
+    runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, lambda failure: None,
+                         pace=BatchPace(4.0, 50.0), apply_threads=2, first_batch_turns=2)
+    runner.run()
+    assert len(reports) == 2
+    assert reports[0].latency_seconds < 2.0  # from its message's pull to its ack: no 4 s of pace
+    assert reports[1].latency_seconds >= 3.5  # a later batch of a quiet table collects for the pace
     for target in opened:
         target.close()
