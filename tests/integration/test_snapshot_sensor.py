@@ -288,14 +288,18 @@ def test_a_settled_table_is_looked_at_again_only_after_its_interval(config):
         assert "settled_at" not in harness.entry()
 
 
-def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn, monkeypatch):
+def with_a_second_table(config, postgres_dsn):
+    """The configuration with a second table, `other`, made at the source: (config, specs, definitions)."""
     schema = config.application_identifier
     with psycopg.connect(postgres_dsn, autocommit=True) as connection:
         connection.execute(sql.SQL("create table {} (id int primary key)").format(sql.Identifier(schema, "other")))
     both = parse_config({**config.model_dump(by_alias=True),
                          "tables": [t.model_dump() for t in config.tables] + [{"name": f"{schema}.other"}]})
-    specs = table_specs(both)
-    defs = build_definitions(both)
+    return both, table_specs(both), build_definitions(both)
+
+
+def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn, monkeypatch):
+    both, specs, defs = with_a_second_table(config, postgres_dsn)
     sensor = build_snapshot_sensor(specs, "test", both.snapshots, tick_budget_seconds=0)
     with dg.instance_for_test() as instance:
         read_partitions = instance.get_dynamic_partitions
@@ -324,13 +328,7 @@ def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, post
 
 def test_a_first_start_looks_at_new_tables_within_the_budget_and_adds_every_partition(config, postgres_dsn,
                                                                                        monkeypatch):
-    schema = config.application_identifier
-    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
-        connection.execute(sql.SQL("create table {} (id int primary key)").format(sql.Identifier(schema, "other")))
-    both = parse_config({**config.model_dump(by_alias=True),
-                         "tables": [t.model_dump() for t in config.tables] + [{"name": f"{schema}.other"}]})
-    specs = table_specs(both)
-    defs = build_definitions(both)
+    both, specs, defs = with_a_second_table(config, postgres_dsn)
     looked_at = snapshot_sensor._tick_table
 
     def slow_look(*args, **kwargs):  # each look outlasts the budget
