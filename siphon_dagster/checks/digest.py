@@ -10,7 +10,7 @@ sorting the rows alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from siphon_dagster.partitions import BlockRange
@@ -89,6 +89,54 @@ def classify(keys: Iterable[tuple[str | None, ...]], source: Mapping[tuple, Sour
         partition = partition_key(row.block, blocks_per_partition) if row is not None else None
         divergent.append(DivergentKey(key, kind, partition))
     return divergent, in_flight
+
+
+@dataclass(frozen=True)
+class KeyRead:
+    """Some keys read again at both ends, once the stream applied past the source's new read."""
+
+    source: Mapping[tuple, SourceRow]
+    target: Mapping[tuple, TargetRow]
+    version: int  # the new read's version_before
+
+
+@dataclass
+class Settled:
+    divergent: list[DivergentKey]
+    in_flight: list[tuple]  # still changing after every round allowed
+    rounds: int
+
+
+def settle(divergent: list[DivergentKey], in_flight: list[tuple], reread: Callable[[list[tuple]], KeyRead | None],
+           attempts: int, blocks_per_partition: int) -> Settled:
+    """Reads the keys of a first `classify` again until each is equal, divergent, or out of rounds.
+
+    A key is divergent only once two reads find it so. PostgreSQL writes a commit's WAL record
+    before the commit shows in new snapshots, so a read can miss a commit whose LSN is below the
+    position noted before it, while the target already holds that commit's row: one read alone
+    would call the key extra or different. Keys in flight get `attempts` rounds; a key found
+    divergent gets its second read even past them. `reread` returns None when the stream did not
+    apply a new read in time: the keys found divergent once are then reported as they are.
+    """
+    confirmed: list[DivergentKey] = []
+    suspects = divergent
+    rounds = 0
+    while True:
+        moving = in_flight if rounds < attempts else []
+        if not moving and not suspects:
+            break
+        rounds += 1
+        read = reread(moving + [k.key for k in suspects])
+        if read is None:
+            confirmed += suspects
+            break
+        suspected = {k.key for k in suspects}
+        found, changing = classify(moving + list(suspected), read.source, read.target, read.version,
+                                   blocks_per_partition)
+        confirmed += [k for k in found if k.key in suspected]
+        suspects = [k for k in found if k.key not in suspected]
+        in_flight = changing if moving else in_flight + changing
+    return Settled(sorted(confirmed, key=lambda k: _sortable(k.key)), in_flight, rounds)
 
 
 def partition_key(block: int, blocks_per_partition: int) -> str:

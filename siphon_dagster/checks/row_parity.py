@@ -3,7 +3,8 @@
 Rows are hashed and grouped into buckets by key (checks.digest); only the buckets whose digests
 differ are read row by row, and only their keys are compared. A key whose target version is newer
 than the source's read changed since; it is read again, at both ends, after the stream has applied
-the new read. What still differs at a version the stream had passed is divergent.
+the new read. What differs at a version the stream had passed, at two reads, is divergent (see
+`digest.settle` for why one read is not enough).
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from collections.abc import Callable
 from siphon_core.config import ChecksConfig
 from siphon_dagster import source
 from siphon_dagster.checks import source_digest
-from siphon_dagster.checks.digest import ParityReport, bucket_digits, classify, mismatched_buckets
+from siphon_dagster.checks.digest import (
+    KeyRead,
+    ParityReport,
+    bucket_digits,
+    classify,
+    mismatched_buckets,
+    settle,
+)
 from siphon_dagster.checks.outcome import ERROR, CheckContext, Outcome
 from siphon_dagster.checks.stream_position import StreamWatch, wait_until_applied
 from siphon_dagster.specs import TableSpec
@@ -61,19 +69,18 @@ def find_divergent_rows(spec: TableSpec, target: Target, source_dsn: str, watch:
     target_rows = target.bucket_rows(table, report.digits, buckets) if buckets else {}
     divergent, in_flight = classify(source_rows.keys() | target_rows.keys(), source_rows, target_rows,
                                     read.version_before, blocks)
-    while in_flight and report.rounds < settings.settle_attempts:
-        report.rounds += 1
+
+    def reread(keys: list[tuple]) -> KeyRead | None:
         time.sleep(settings.settle_interval_seconds)
-        with source_digest.snapshot_read(source_dsn) as read:
-            source_rows = source_digest.key_rows(read.connection, table, in_flight)
-            lsn = source_digest.snapshot_lsn(read.connection)
+        with source_digest.snapshot_read(source_dsn) as again:
+            rows = source_digest.key_rows(again.connection, table, keys)
+            lsn = source_digest.snapshot_lsn(again.connection)
         if not wait_until_applied(watch, lsn, settings.settle_timeout_seconds).caught_up:
-            break
-        found, in_flight = classify(in_flight, source_rows, target.key_rows(table, in_flight),
-                                    read.version_before, blocks)
-        divergent += found
-    report.divergent = divergent
-    report.in_flight = in_flight
+            return None
+        return KeyRead(rows, target.key_rows(table, keys), again.version_before)
+
+    settled = settle(divergent, in_flight, reread, settings.settle_attempts, blocks)
+    report.divergent, report.in_flight, report.rounds = settled.divergent, settled.in_flight, settled.rounds
     return report
 
 

@@ -12,12 +12,14 @@ from siphon_dagster.checks.digest import (
     CountBand,
     DivergentKey,
     ExactCount,
+    KeyRead,
     ParityReport,
     SourceRow,
     bucket_digits,
     classify,
     mismatched_buckets,
     partition_key,
+    settle,
 )
 from siphon_dagster.checks.outcome import ERROR, WARN
 from siphon_dagster.checks.row_count import CountRead, verdict
@@ -69,6 +71,56 @@ def test_classify_names_each_kind_and_defers_keys_changed_after_the_read():
                          DivergentKey(("3",), MISSING, "00000016-00000023"),
                          DivergentKey(("5",), EXTRA, None)]
     assert in_flight == [("4",), ("6",)]
+
+
+class Rereads:
+    """Later reads of some keys, in order, recording which keys each round asked for."""
+
+    def __init__(self, *reads: KeyRead | None):
+        self.reads, self.asked = list(reads), []
+
+    def __call__(self, keys):
+        self.asked.append(sorted(keys))
+        return self.reads.pop(0)
+
+
+def test_a_key_one_read_finds_extra_is_not_divergent_when_the_next_read_sees_its_commit():
+    # The first read missed a commit below its position (not yet visible); the target holds its row.
+    first, _ = classify([("9",)], {}, {("9",): TargetRow("h9", 900, False)}, 1000, blocks_per_partition=8)
+    assert first == [DivergentKey(("9",), EXTRA, None)]
+    rereads = Rereads(KeyRead({("9",): SourceRow("h9", 2)}, {("9",): TargetRow("h9", 900, False)}, 1100))
+    settled = settle(first, [], rereads, attempts=3, blocks_per_partition=8)
+    assert (settled.divergent, settled.in_flight, settled.rounds) == ([], [], 1)
+    assert rereads.asked == [[("9",)]]
+
+
+def test_a_key_two_reads_find_divergent_is_reported_and_keys_in_flight_get_their_rounds():
+    stale = TargetRow("old", 10, False)
+    first = [DivergentKey(("2",), DIFFERS, "00000000-00000007")]
+    rereads = Rereads(
+        # Round 1: "2" still differs; "4" is still changing; "5" settled equal.
+        KeyRead({("2",): SourceRow("h2", 1), ("4",): SourceRow("h4", 1), ("5",): SourceRow("h5", 1)},
+                {("2",): stale, ("4",): TargetRow("x", 1500, False), ("5",): TargetRow("h5", 1200, False)}, 1100),
+        # Round 2 (the last for keys in flight): "4" now differs at a version the read had passed.
+        KeyRead({("4",): SourceRow("h4", 1)}, {("4",): TargetRow("x", 1500, False)}, 1600),
+        # Round 3, past the attempts, only for "4": it still differs.
+        KeyRead({("4",): SourceRow("h4", 1)}, {("4",): TargetRow("x", 1500, False)}, 1700),
+    )
+    settled = settle(first, [("4",), ("5",)], rereads, attempts=2, blocks_per_partition=8)
+    assert settled.divergent == [DivergentKey(("2",), DIFFERS, "00000000-00000007"),
+                                 DivergentKey(("4",), DIFFERS, "00000000-00000007")]
+    assert (settled.in_flight, settled.rounds) == ([], 3)
+    assert rereads.asked == [[("2",), ("4",), ("5",)], [("4",)], [("4",)]]
+
+
+def test_keys_still_changing_after_the_rounds_stay_in_flight_and_a_stream_behind_reports_what_one_read_found():
+    changing = KeyRead({("4",): SourceRow("h4", 1)}, {("4",): TargetRow("x", 5000, False)}, 1100)
+    settled = settle([], [("4",)], Rereads(changing, changing), attempts=2, blocks_per_partition=8)
+    assert (settled.divergent, settled.in_flight, settled.rounds) == ([], [("4",)], 2)
+
+    first = [DivergentKey(("3",), MISSING, "00000000-00000007")]
+    settled = settle(first, [("4",)], Rereads(None), attempts=3, blocks_per_partition=8)
+    assert (settled.divergent, settled.in_flight, settled.rounds) == (first, [("4",)], 1)
 
 
 def test_partition_key_of_a_block():
