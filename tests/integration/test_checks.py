@@ -23,9 +23,12 @@ from siphon_dagster import source
 from siphon_dagster.checks.command import main as check_command
 from siphon_dagster.checks.command import run_checks, selected_keys
 from siphon_dagster.checks.digest import DIFFERS, EXTRA, MISSING
+from siphon_dagster.checks.row_parity import compared_columns, find_divergent_rows
 from siphon_dagster.definitions import build_definitions, build_resources
+from siphon_dagster.parity_repair import stream_watch
 from siphon_dagster.partitions import ranges_for
 from siphon_dagster.specs import group_name, table_specs
+from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema
 from siphon_stack.process import free_port, start_process, stop_pid
 
@@ -224,6 +227,66 @@ def test_every_check_passes_on_converged_tables_under_a_live_workload(stack):
         workload.thread.join(timeout=30)
         streaming.halt()
     assert not workload.errors, workload.errors
+
+
+def test_row_parity_reads_again_a_key_whose_commit_was_in_the_wal_before_the_source_could_see_it(stack):
+    """PostgreSQL flushes a commit's WAL record before the commit shows in snapshots. With a
+    synchronous standby that never answers, a commit waits in between for as long as the test
+    likes, while the stream applies it: the target holds a row the source's read cannot see yet.
+    One read calls that key extra; the second read, once the commit shows, finds it equal."""
+    config, defs, specs, instance, config_path = stack
+    pairs = next(spec for spec in specs if spec.name == "pairs")
+    dsn = config.source.dsn
+    key = ("777", "waits for a standby")
+    streaming = Streaming(config_path)
+    drain_once(defs, specs, instance)
+    streaming.start()
+    destination = build_target("clickhouse", config)
+    errors: list[BaseException] = []
+    try:
+        with psycopg.connect(dsn, autocommit=True) as admin, psycopg.connect(dsn, autocommit=True) as writer:
+            table = compared_columns(source.table_schema(admin, pairs.table), destination)
+            admin.execute("alter system set synchronous_standby_names = 'siphon_absent_standby'")
+            admin.execute("select pg_reload_conf()")
+            try:
+                wait_until(lambda: writer.execute("show synchronous_standby_names").fetchone()[0] != "", 10,
+                           "the writer's session taking the new setting")
+
+                def insert() -> None:
+                    try:
+                        writer.execute(sql.SQL("insert into {} values (777, 'waits for a standby', 1)").format(
+                            sql.Identifier(pairs.schema, pairs.name)))
+                    except BaseException as error:  # noqa: BLE001 - reported by the test
+                        errors.append(error)
+
+                inserting = threading.Thread(target=insert, daemon=True)
+                inserting.start()
+                pid = writer.info.backend_pid
+                wait_until(lambda: admin.execute("select wait_event from pg_stat_activity where pid = %s",
+                                                 (pid,)).fetchone()[0] == "SyncRep", 20, "the commit waiting")
+                wait_until(lambda: key in destination.key_rows(table, [key]), 60, "the stream applying the commit")
+                hidden = admin.execute(sql.SQL("select count(*) from {} where left_id = 777").format(
+                    sql.Identifier(pairs.schema, pairs.name))).fetchone()[0]
+                assert hidden == 0, "the source shows the commit already: the test has nothing to show"
+
+                def release(_message: str) -> None:
+                    # Called inside the first read, after its digests: that read keeps missing the commit.
+                    admin.execute("alter system reset synchronous_standby_names")
+                    admin.execute("select pg_reload_conf()")
+                    admin.execute("select pg_cancel_backend(%s)", (pid,))
+                    inserting.join(timeout=20)
+
+                report = find_divergent_rows(pairs, destination, dsn, stream_watch(config, pairs, "clickhouse"),
+                                             config.checks, release)
+            finally:
+                admin.execute("alter system reset synchronous_standby_names")
+                admin.execute("select pg_reload_conf()")
+    finally:
+        destination.close()
+        streaming.halt()
+    assert not errors, errors
+    assert report.mismatched_buckets == 1, "the first read did not see the target's extra row"
+    assert (report.divergent, report.in_flight, report.rounds) == ([], [], 1)
 
 
 def hand_edit_clickhouse(config, schema: str) -> None:
