@@ -872,11 +872,16 @@ def main() -> int:
     print(f"\nCPU during the steady phase ({os.cpu_count()} cores):")
     for role, cores in figures["cpu_cores"].items():
         print(f"  {role:32s} {cores:5.2f} cores")
-    print(f"streaming run: {figures['batches_per_s']:.1f} batches/s, first message to ack "
-          f"{figures['batch_latency_mean_s']:.2f} s on average; at the steady phase's end the greatest lag "
-          f"{figures['lag_max_end_s']:.1f} s and {figures['pending_end']:.0f} messages pending")
-    print("  mean seconds per batch by phase: " + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds
-                                                           in figures["batch_phase_mean_s"].items()))
+    lag = (f"at the steady phase's end the greatest lag {figures['lag_max_end_s']:.1f} s and "
+           f"{figures['pending_end']:.0f} messages pending")
+    if figures["batch_phase_mean_s"]:
+        print(f"streaming run: {figures['batches_per_s']:.1f} batches/s, first message to ack "
+              f"{figures['batch_latency_mean_s']:.2f} s on average; {lag}")
+        print("  mean seconds per batch by phase: " + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds
+                                                               in figures["batch_phase_mean_s"].items()))
+    else:
+        # A run replaced during the phase starts its counters again: no rate over the phase to give.
+        print(f"streaming run: batches not counted over the phase (runs killed or replaced); {lag}")
     print_table(f"{args.tables} tables, {args.rate:.0f} changes/s Zipf s={args.zipf}, one `dagster dev` "
                 f"(instance storage: {args.instance_storage}; load average before: {load_before:.1f})", [
         ("resident memory, Dagster side (MB, peak)", f"{peak_rss:.0f}", f"<= {TARGETS['rss_mb']:.0f}"),

@@ -58,15 +58,44 @@ def test_small_batches_decoded_in_the_driver_give_the_rows_spark_gives(request, 
     target.close()
 
 
-def group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, tables, interval=60.0):
+def group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, tables, interval=60.0, on_error="stop"):
     return parse_config({
         "application_identifier": unique_name,
         "source": {"dsn": postgres_dsn},
         "queue": {"url": nats_url},
-        "tables": [{"name": f"public.{name}"} for name in tables],
+        "tables": [{"name": f"public.{name}", "on_error": on_error} for name in tables],
         "targets": {"clickhouse": {"url": clickhouse_url, "database": unique_name}},
         "streaming": {"batch_max_wait_seconds": 0.3, "materialization_interval_seconds": interval},
     })
+
+
+class Consumers:
+    """A run's consumer factory as these tests make it: each consumer with its own connection to the
+    target (`opened`, closed by `close`) and no Spark (batches this small are decoded in the
+    driver). `wrap(table, target)` changes a table's target, `kind` is the consumer's class."""
+
+    def __init__(self, config, settings: StreamingConfig, idle_pull_seconds: float | None = None,
+                 pipelined: bool = False, wrap=lambda table, target: target, kind=StreamConsumer,
+                 **consumer_args) -> None:  # noqa: ANN001, ANN003
+        self.resources = build_resources(config)
+        self.shared = self.resources["queue"].queue()
+        self.settings, self.idle_pull_seconds, self.pipelined = settings, idle_pull_seconds, pipelined
+        self.wrap, self.kind, self.consumer_args = wrap, kind, consumer_args
+        self.opened: list = []
+
+    def __call__(self, table: TableConfig) -> StreamConsumer:
+        self.opened.append(self.resources["clickhouse_target"].open_target())
+        made = self.kind(self.shared, self.wrap(table, self.opened[-1]), table,
+                         lambda: pytest.fail("no Spark for small batches"), self.settings, source=None,
+                         **self.consumer_args)
+        if self.idle_pull_seconds is not None:
+            made.idle_pull_seconds = self.idle_pull_seconds
+        made.pipelined = self.pipelined
+        return made
+
+    def close(self) -> None:
+        for target in self.opened:
+            target.close()
 
 
 def publish_backlogs(nats_url: str, application: str, names: list[str], count: int) -> None:
@@ -116,22 +145,16 @@ def test_a_failed_table_is_started_again_with_backoff_while_the_others_stream(re
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["notes", "bad"])
     publish(nats_url, unique_name, [package([insert(0x1A0, "1", b"\xff", "1")], table="bad")], table="bad")
     publish(nats_url, unique_name, STORY)
-    resources = build_resources(config)
     failures: list[TableFailure] = []
     reports: list[BatchReport] = []
-    targets = {}
-    shared = resources["queue"].queue()
+    consumers = Consumers(config, config.streaming, idle_pull_seconds=0.5, pipelined=True)
     intervals: set[float] = set()
 
     def make_consumer(table: TableConfig) -> StreamConsumer:
         intervals.add(sys.getswitchinterval())
-        target = targets.setdefault(table.name, resources["clickhouse_target"].open_target())
-        made = StreamConsumer(shared, target, table, lambda: pytest.fail("no Spark for small batches"),
-                              config.streaming, source=None)
-        made.idle_pull_seconds = 0.5
-        return made
+        return consumers(table)
 
-    runner = GroupRunner(shared, [t for t in config.tables], make_consumer, reports.append, failures.append,
+    runner = GroupRunner(consumers.shared, list(config.tables), make_consumer, reports.append, failures.append,
                          retry_initial_seconds=0.2, retry_max_seconds=0.5)
     done = threading.Event()
 
@@ -154,9 +177,8 @@ def test_a_failed_table_is_started_again_with_backoff_while_the_others_stream(re
     assert intervals == {SWITCH_INTERVAL_SECONDS} and sys.getswitchinterval() == before
     assert [f.attempt for f in failures[:3]] == [1, 2, 3] and all(f.retry_in_seconds for f in failures)
     assert summary.tables["public.notes"].events == 12
-    assert targets["public.notes"].current_rows_as_text(notes_schema()) == STORY_ROWS
-    for target in targets.values():
-        target.close()
+    assert consumers.opened[0].current_rows_as_text(notes_schema()) == STORY_ROWS
+    consumers.close()
 
 
 class _Interrupt(BaseException):
@@ -193,29 +215,18 @@ def test_an_interrupt_in_one_table_ends_every_table_before_the_connection_closes
     names = [f"t{i}" for i in range(6)]
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
     publish_backlogs(nats_url, unique_name, names, 60)  # every table busy pulling, writing and acking
-    resources = build_resources(config)
-    shared = resources["queue"].queue()
-    opened = []
     failures: list[TableFailure] = []
-
-    def make_consumer(table: TableConfig) -> StreamConsumer:
-        opened.append(resources["clickhouse_target"].open_target())
-        target = _InterruptOnWrite(opened[-1], writes_before=3) if table.name == "public.t3" else opened[-1]
-        made = StreamConsumer(shared, target, table, lambda: pytest.fail("no Spark for small batches"),
-                              StreamingConfig(batch_max_messages=2, batch_max_wait_seconds=0.3), source=None)
-        made.idle_pull_seconds = 30.0
-        made.pipelined = False
-        return made
-
-    runner = GroupRunner(shared, list(config.tables), make_consumer, lambda report: None, failures.append)
+    consumers = Consumers(
+        config, StreamingConfig(batch_max_messages=2, batch_max_wait_seconds=0.3), idle_pull_seconds=30.0,
+        wrap=lambda table, target: _InterruptOnWrite(target, writes_before=3) if table.name == "public.t3" else target)
+    runner = GroupRunner(consumers.shared, list(config.tables), consumers, lambda report: None, failures.append)
     with caplog.at_level(logging.ERROR, logger="asyncio"), pytest.raises(_Interrupt):
         runner.run()
     # Every other table ended with the run: none went on to fail against the closed connection,
     # and no table's task was left to fail on its own.
     assert failures == []
     assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage()[:300] for r in caplog.records]
-    for target in opened:
-        target.close()
+    consumers.close()
 
 
 class _SlowWrites(_WrappedTarget):
@@ -237,9 +248,6 @@ def test_a_group_run_takes_no_more_batches_at_once_than_it_writes(request, nats_
     names = [f"w{i}" for i in range(6)]
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
     publish_backlogs(nats_url, unique_name, names, 30)
-    resources = build_resources(config)
-    shared = resources["queue"].queue()
-    opened = []
     reports: list[BatchReport] = []
     taken: set[str] = set()  # tables whose batch is taken and not yet acked (both on the event loop)
     most_taken = [0]
@@ -256,27 +264,21 @@ def test_a_group_run_takes_no_more_batches_at_once_than_it_writes(request, nats_
             finally:
                 taken.discard(self.table.name)
 
-    def make_consumer(table: TableConfig) -> StreamConsumer:
-        opened.append(resources["clickhouse_target"].open_target())
-        made = Watched(shared, _SlowWrites(opened[-1], 0.1), table, lambda: pytest.fail("no Spark for small batches"),
-                       StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05), source=None)
-        made.idle_pull_seconds = 5.0
-        made.pipelined = False
-        return made
+    consumers = Consumers(config, StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05),
+                          idle_pull_seconds=5.0, wrap=lambda table, target: _SlowWrites(target, 0.1), kind=Watched)
 
     def on_batch(report: BatchReport) -> None:
         reports.append(report)
         if sum(r.events for r in reports) == 30 * len(names):
             runner.stop()
 
-    runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, lambda failure: None,
+    runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, lambda failure: None,
                          apply_threads=2)
     summary = runner.run()
     assert {name: totals.events for name, totals in summary.tables.items()} == {f"public.{n}": 30 for n in names}
     assert most_taken[0] == 2
     assert sum(r.seconds["queued"] for r in reports) > 0  # waiting for a turn is reported as queued
-    for target in opened:
-        target.close()
+    consumers.close()
 
 
 class _FailingWrites(_WrappedTarget):
@@ -295,24 +297,14 @@ def test_a_batch_waiting_to_retry_gives_its_turn_to_the_other_tables(request, na
                                                                      clickhouse_url, unique_name):
     """With one turn, a table whose writes keep failing (on_error: retry) still lets another table
     apply its batches between its attempts."""
-    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["good", "bad"])
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["good", "bad"], on_error="retry")
     publish(nats_url, unique_name, [package([insert(0x500, "1", "bad 1", "1")], table="bad")], table="bad")
-    resources = build_resources(config)
-    shared = resources["queue"].queue()
-    opened = []
     failures: list[float] = []
     applied: list[float] = []
-
-    def make_consumer(table: TableConfig) -> StreamConsumer:
-        opened.append(resources["clickhouse_target"].open_target())
-        target = _FailingWrites(opened[-1], failures) if table.name == "public.bad" else opened[-1]
-        made = StreamConsumer(shared, target, TableConfig(name=table.name, on_error="retry"),
-                              lambda: pytest.fail("no Spark for small batches"),
-                              StreamingConfig(batch_max_wait_seconds=0.05), source=None,
-                              retry=RetryPolicy(attempts=3, initial_wait_seconds=1.5, max_wait_seconds=1.5))
-        made.idle_pull_seconds = 0.5
-        made.pipelined = False
-        return made
+    consumers = Consumers(
+        config, StreamingConfig(batch_max_wait_seconds=0.05), idle_pull_seconds=0.5,
+        wrap=lambda table, target: _FailingWrites(target, failures) if table.name == "public.bad" else target,
+        retry=RetryPolicy(attempts=3, initial_wait_seconds=1.5, max_wait_seconds=1.5))
 
     def on_batch(report: BatchReport) -> None:
         applied.append(time.monotonic())
@@ -328,7 +320,7 @@ def test_a_batch_waiting_to_retry_gives_its_turn_to_the_other_tables(request, na
         publish(nats_url, unique_name, [package([insert(0x510 + i, str(i), f"good {i}", str(i))], table="good")
                                         for i in range(3)], table="good")
 
-    runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, on_failure, apply_threads=1)
+    runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, on_failure, apply_threads=1)
     feeder = threading.Thread(target=feed_good_table, daemon=True)
     feeder.start()
     summary = runner.run()
@@ -337,8 +329,7 @@ def test_a_batch_waiting_to_retry_gives_its_turn_to_the_other_tables(request, na
     assert summary.tables["public.good"].events == 3
     # The good table's batch was applied while the bad one waited between its attempts, not after.
     assert applied and failures[0] < applied[0] < failures[-1]
-    for target in opened:
-        target.close()
+    consumers.close()
 
 
 def test_a_run_stopped_while_tables_wait_for_turns_ends_after_the_batches_it_is_writing(
@@ -348,23 +339,15 @@ def test_a_run_stopped_while_tables_wait_for_turns_ends_after_the_batches_it_is_
     names = [f"s{i}" for i in range(6)]
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
     publish_backlogs(nats_url, unique_name, names, 30)
-    resources = build_resources(config)
-    opened = []
     applied: list[BatchReport] = []
     stopped_after: list[int] = []
+    runs: list[Consumers] = []
 
     def run_once(stop_when_drained: bool) -> None:
-        shared = resources["queue"].queue()
-
-        def make_consumer(table: TableConfig) -> StreamConsumer:
-            opened.append(resources["clickhouse_target"].open_target())
-            made = StreamConsumer(shared, _SlowWrites(opened[-1], 0.3), table,
-                                  lambda: pytest.fail("no Spark for small batches"),
-                                  StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05), source=None)
-            if not stop_when_drained:
-                made.idle_pull_seconds = 5.0
-            made.pipelined = False
-            return made
+        consumers = Consumers(config, StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05),
+                              idle_pull_seconds=None if stop_when_drained else 5.0,
+                              wrap=lambda table, target: _SlowWrites(target, 0.3))
+        runs.append(consumers)
 
         def on_batch(report: BatchReport) -> None:
             applied.append(report)
@@ -372,7 +355,7 @@ def test_a_run_stopped_while_tables_wait_for_turns_ends_after_the_batches_it_is_
                 stopped_after.append(len(applied))
                 runner.stop()
 
-        runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, lambda failure: None,
+        runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, lambda failure: None,
                              apply_threads=1)
         runner.run(stop_when_drained=stop_when_drained)
 
@@ -381,9 +364,9 @@ def test_a_run_stopped_while_tables_wait_for_turns_ends_after_the_batches_it_is_
     assert len(applied) - stopped_after[0] <= 1, [r.table for r in applied]
     run_once(stop_when_drained=True)
     for name in names:
-        assert len(rows_of(opened[-1], name)) == 30, name
-    for target in opened:
-        target.close()
+        assert len(rows_of(runs[-1].opened[-1], name)) == 30, name
+    for consumers in runs:
+        consumers.close()
 
 
 def test_a_tables_first_batch_goes_ahead_of_the_batches_of_tables_already_streaming(
@@ -394,20 +377,10 @@ def test_a_tables_first_batch_goes_ahead_of_the_batches_of_tables_already_stream
     busy, new = [f"b{i}" for i in range(4)], [f"n{i}" for i in range(3)]
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, busy + new)
     publish_backlogs(nats_url, unique_name, busy, 60)
-    resources = build_resources(config)
-    shared = resources["queue"].queue()
-    opened = []
     reports: list[BatchReport] = []
     published_at: list[int] = []  # how many batches were applied when the new tables' messages were out
-
-    def make_consumer(table: TableConfig) -> StreamConsumer:
-        opened.append(resources["clickhouse_target"].open_target())
-        made = StreamConsumer(shared, _SlowWrites(opened[-1], 0.3), table,
-                              lambda: pytest.fail("no Spark for small batches"),
-                              StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05), source=None)
-        made.idle_pull_seconds = 1.0
-        made.pipelined = False
-        return made
+    consumers = Consumers(config, StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05),
+                          idle_pull_seconds=1.0, wrap=lambda table, target: _SlowWrites(target, 0.3))
 
     def publish_new() -> None:
         publish_backlogs(nats_url, unique_name, new, 5)
@@ -421,7 +394,7 @@ def test_a_tables_first_batch_goes_ahead_of_the_batches_of_tables_already_stream
         if {f"public.{n}" for n in new} <= streaming:
             runner.stop()
 
-    runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, lambda failure: None,
+    runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, lambda failure: None,
                          apply_threads=1)
     runner.run()
     after = [r.table.removeprefix("public.") for r in reports[published_at[0]:]]
@@ -430,8 +403,7 @@ def test_a_tables_first_batch_goes_ahead_of_the_batches_of_tables_already_stream
     # the one that held the turn then. In arrival order the three busy tables waiting in line would
     # each have written first.
     assert len([t for t in after[:last_new] if t in busy]) <= 2, after
-    for target in opened:
-        target.close()
+    consumers.close()
 
 
 def test_a_tables_first_batch_does_not_wait_for_the_pace_and_its_later_ones_do(
@@ -440,18 +412,9 @@ def test_a_tables_first_batch_does_not_wait_for_the_pace_and_its_later_ones_do(
     once, since the table is not streaming until it lands."""
     config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, ["paced"])
     publish_backlogs(nats_url, unique_name, ["paced"], 1)
-    resources = build_resources(config)
-    shared = resources["queue"].queue()
-    opened = []
     reports: list[BatchReport] = []
-
-    def make_consumer(table: TableConfig) -> StreamConsumer:
-        opened.append(resources["clickhouse_target"].open_target())
-        made = StreamConsumer(shared, opened[-1], table, lambda: pytest.fail("no Spark for small batches"),
-                              StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05), source=None)
-        made.idle_pull_seconds = 1.0
-        made.pipelined = False
-        return made
+    consumers = Consumers(config, StreamingConfig(batch_max_messages=5, batch_max_wait_seconds=0.05),
+                          idle_pull_seconds=1.0)
 
     def publish_later() -> None:
         publish(nats_url, unique_name, [package([insert(0x400, "9", "paced later", "9")], table="paced")],
@@ -464,11 +427,10 @@ def test_a_tables_first_batch_does_not_wait_for_the_pace_and_its_later_ones_do(
         else:
             runner.stop()
 
-    runner = GroupRunner(shared, list(config.tables), make_consumer, on_batch, lambda failure: None,
+    runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, lambda failure: None,
                          pace=BatchPace(8.0, 50.0), apply_threads=2, first_batch_turns=2)
     runner.run()
     assert len(reports) == 2
     assert reports[0].latency_seconds < 5.0  # from its message's pull to its ack: no 8 s of pace
     assert reports[1].latency_seconds >= 7.5  # a later batch of a quiet table collects for the pace
-    for target in opened:
-        target.close()
+    consumers.close()
