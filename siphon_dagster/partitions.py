@@ -47,10 +47,15 @@ def parse_key(key: str, blocks_per_partition: int | None = None) -> BlockRange:
     return block_range
 
 
+def range_count(blocks: int, blocks_per_partition: int) -> int:
+    """How many ranges cover `blocks` blocks (at least one, so an empty table has a partition)."""
+    return max(1, -(-blocks // blocks_per_partition))
+
+
 def ranges_for(blocks: int, blocks_per_partition: int) -> list[BlockRange]:
     """Ranges covering `blocks` blocks (at least one range, so an empty table has a partition)."""
-    count = max(1, -(-blocks // blocks_per_partition))
-    return [BlockRange(i * blocks_per_partition, (i + 1) * blocks_per_partition - 1) for i in range(count)]
+    return [BlockRange(i * blocks_per_partition, (i + 1) * blocks_per_partition - 1)
+            for i in range(range_count(blocks, blocks_per_partition))]
 
 
 def partitions_def_name(application_identifier: str, schema: str, table: str) -> str:

@@ -13,7 +13,7 @@ from siphon_dagster import source as source_db
 from siphon_dagster.assets import source_observation
 from siphon_dagster.config_drift import ConfigDrift
 from siphon_dagster.location_reload import LocationReloader
-from siphon_dagster.partitions import missing_keys
+from siphon_dagster.partitions import missing_keys, range_count
 from siphon_dagster.resources import NatsResource, PostgresResource
 from siphon_dagster.run_liveness import IN_PROGRESS, SNAPSHOT_RUN_TAG, dead_run_reason
 from siphon_dagster.specs import TableSpec
@@ -56,11 +56,11 @@ def read_tables(connection, specs: list[TableSpec],
 def partition_requests(instance: dg.DagsterInstance, connection, specs: list[TableSpec],
                        on_error: Callable[[source_db.SourceError], None] | None = None,
                        read: dict[str, tuple[TableSchema, source_db.TableSize]] | None = None,
-                       covered: Callable[[str, int], bool] | None = None,
+                       covered: Callable[[TableSpec, int], bool] | None = None,
                        ) -> tuple[list[dg.AddDynamicPartitionsRequest], dict[str, int]]:
     """The ranges missing from the instance for each table, and each table's block count; `read`
     is `read_tables` of the specs when the caller has it (else it is read here, see there).
-    `covered(table, blocks)` says a table's partitions are known to cover that many blocks, and
+    `covered(spec, blocks)` says a table's partitions are known to cover that many blocks, and
     spares the read of them from the instance."""
     if read is None:
         read = read_tables(connection, specs, on_error)
@@ -71,7 +71,7 @@ def partition_requests(instance: dg.DagsterInstance, connection, specs: list[Tab
             continue
         size = read[spec.qualified_name][1]
         blocks[spec.qualified_name] = size.blocks
-        if covered is not None and covered(spec.qualified_name, size.blocks):
+        if covered is not None and covered(spec, size.blocks):
             continue
         existing = instance.get_dynamic_partitions(spec.partitions_def_name)
         keys = missing_keys(existing, size.blocks, spec.table.blocks_per_partition)
@@ -95,12 +95,15 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
         observed: dict[str, list] = dict(state.get(OBSERVED_KEY, {}))
         now = time.time()
 
-        def covered(table: str, blocks: int) -> bool:
-            # The last tick's result added what its block count needed: a table whose count did not
-            # change is looked up in the instance again only as often as it is observed (a read
-            # of the instance's storage per table, each tick, cost a run of 500 tables seconds).
-            last = observed.get(table)
-            return state.get(table) == blocks and last is not None and now - last[0] < SOURCE_OBSERVATION_SECONDS
+        def covered(spec: TableSpec, blocks: int) -> bool:
+            # The last tick's result added the ranges its block count needed: a table that still
+            # fits them (a growing table stays inside its last range for many ticks) is looked up
+            # in the instance again only as often as it is observed (a read of the instance's
+            # storage per table, each tick, cost a run of 500 tables seconds).
+            before, last = state.get(spec.qualified_name), observed.get(spec.qualified_name)
+            per = spec.table.blocks_per_partition
+            return (before is not None and range_count(blocks, per) <= range_count(before, per)
+                    and last is not None and now - last[0] < SOURCE_OBSERVATION_SECONDS)
 
         with source.connect() as connection:
             # One table's problem holds back no other table.

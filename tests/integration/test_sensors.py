@@ -15,6 +15,7 @@ from psycopg import sql
 
 from siphon_core import naming
 from siphon_core.config import parse_config
+from siphon_dagster import source
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, dead_run_reason, worker_identity
 from siphon_dagster.sensors import (
@@ -107,6 +108,38 @@ def test_a_table_whose_size_did_not_change_has_its_partitions_looked_up_only_wit
         assert tick(defs, config, instance, "_partitions", cursor=first.cursor).dynamic_partitions_requests == []
         # Once the observation is due, the table's partitions are read again and the range comes back.
         cursor = json.loads(first.cursor)
+        cursor[OBSERVED_KEY][spec.qualified_name][0] -= SOURCE_OBSERVATION_SECONDS + 1
+        due = tick(defs, config, instance, "_partitions", cursor=json.dumps(cursor))
+        assert [list(r.partition_keys) for r in due.dynamic_partitions_requests] == [[keys[-1]]]
+
+
+def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_only_with_its_observation(config):
+    defs = build_definitions(config)
+    spec = table_specs(config)[0]
+    per = spec.table.blocks_per_partition
+    relation = sql.Identifier(spec.schema, "grows")
+    with dg.instance_for_test() as instance, psycopg.connect(config.source.dsn, autocommit=True) as connection:
+        first = tick_and_add_partitions(defs, config, instance)
+        blocks = json.loads(first.cursor)[spec.qualified_name]
+        if blocks % per == 0:  # the last range is full: one block more, so that the next one fits in it
+            connection.execute(sql.SQL("insert into {} select g, repeat('z', 200) from generate_series(3001, 3040) g")
+                               .format(relation))
+            first = tick_and_add_partitions(defs, config, instance)
+            blocks = json.loads(first.cursor)[spec.qualified_name]
+        assert blocks % per != 0, blocks
+        keys = instance.get_dynamic_partitions(spec.partitions_def_name)
+        instance.delete_dynamic_partition(spec.partitions_def_name, keys[-1])  # by hand, at the instance
+        start = 4001
+        while source.table_size(connection, spec.table).blocks == blocks:  # one block more, at most
+            connection.execute(sql.SQL("insert into {} select g, repeat('z', 200) from generate_series(%s::int, %s::int) g")
+                               .format(relation), (start, start + 9))
+            start += 10
+        grown = tick(defs, config, instance, "_partitions", cursor=first.cursor)
+        assert json.loads(grown.cursor)[spec.qualified_name] == blocks + 1
+        # Still inside the ranges the last tick added: the instance is not read.
+        assert grown.dynamic_partitions_requests == []
+        # Once the observation is due, the table's partitions are read again and the range comes back.
+        cursor = json.loads(grown.cursor)
         cursor[OBSERVED_KEY][spec.qualified_name][0] -= SOURCE_OBSERVATION_SECONDS + 1
         due = tick(defs, config, instance, "_partitions", cursor=json.dumps(cursor))
         assert [list(r.partition_keys) for r in due.dynamic_partitions_requests] == [[keys[-1]]]
