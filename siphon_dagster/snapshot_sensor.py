@@ -18,7 +18,9 @@ import dagster as dg
 from dagster._core.storage.tags import PARTITION_NAME_TAG, PRIORITY_TAG
 
 from siphon_core.config import SnapshotsConfig
+from siphon_dagster.assets import snapshot_pool
 from siphon_dagster.sensors import partition_requests
+from siphon_dagster.snapshot.pool_slots import ensure_pool_limit
 from siphon_dagster.snapshot_plan import (
     FAILED,
     IN_PROGRESS,
@@ -252,6 +254,8 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         finally:
             for probe in probes.values():
                 probe.close()
+        for target in sorted({request.tags[AUTOLOAD_TAG].split(":", 1)[0] for request in run_requests}):
+            ensure_pool_limit(context.instance, snapshot_pool(target))
         return dg.SensorResult(run_requests=run_requests, dynamic_partitions_requests=added_requests,
                                asset_events=events, cursor=json.dumps(cursor, sort_keys=True))
 

@@ -1,4 +1,5 @@
-"""More slots of a snapshot pool for one run, so a run of many partitions reads several at once.
+"""A snapshot pool's limit set before its first runs queue, and more slots of it for one run, so a
+run of many partitions reads several at once.
 
 A pool caps the partitions of one target read at a time (each holds a replication slot and a
 source connection while its COPY runs). Dagster gives a step one slot, so a run that snapshots a
@@ -44,3 +45,20 @@ def extra_slots(instance: Any, pool: str, run_id: str, step_key: str, wanted: in
     finally:
         for key in claimed:
             storage.free_concurrency_slot_for_step(run_id, key)
+
+
+def ensure_pool_limit(instance: Any, pool: str) -> None:
+    """Gives `pool` the instance's default limit (`concurrency.pools.default_limit`) now, unless it
+    has a limit already (set in the UI or by the CLI, kept as it is).
+
+    Dagster's run queue gives a pool the default limit the first time it sees the pool's runs
+    queued, and reads the limits it knows before that: on that pass the pool counts as unlimited,
+    and every queued run of a load starts at once, each a process of a few hundred megabytes that
+    waits in turn for a slot. Called before a tick's run requests are queued, it makes the first
+    pass hold them in the queue."""
+    storage = instance.event_log_storage
+    if not getattr(storage, "supports_global_concurrency_limits", False):
+        return
+    if not instance.global_op_concurrency_default_limit or pool in storage.get_concurrency_keys():
+        return
+    storage.initialize_concurrency_limit_to_default(pool)

@@ -13,6 +13,7 @@ from psycopg import sql
 
 from siphon_core.config import parse_config
 from siphon_dagster import snapshot_sensor, source
+from siphon_dagster.assets import snapshot_pool
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.snapshot_sensor import AUTOLOAD_TAG, LOAD_TAG, build_snapshot_sensor, record_drop
 from siphon_dagster.specs import table_specs
@@ -120,6 +121,20 @@ def test_first_tick_requests_every_partition_of_a_new_table_even_when_the_stream
             assert request.tags[AUTOLOAD_TAG] == f"clickhouse:{harness.spec.qualified_name}"
         assert state(result) == f"snapshotting: 0 of {len(added.partition_keys)} partitions loaded"
         assert "load" in harness.entry()
+
+
+def test_a_tick_that_requests_loads_gives_the_target_pool_its_default_limit_and_keeps_one_set_by_hand(config):
+    """The run queue holds a pool's runs only once it knows the pool's limit: set before the
+    first loads queue, they start two at a time instead of all at once."""
+    pool = snapshot_pool("clickhouse")
+    with dg.instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 2}}}) as instance:
+        assert pool not in instance.event_log_storage.get_concurrency_keys()
+        assert Harness(config, instance).tick().run_requests
+        assert instance.event_log_storage.get_concurrency_info(pool).slot_count == 2
+    with dg.instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 2}}}) as instance:
+        instance.event_log_storage.set_concurrency_slots(pool, 5)
+        assert Harness(config, instance).tick().run_requests
+        assert instance.event_log_storage.get_concurrency_info(pool).slot_count == 5
 
 
 def test_the_daemon_accepts_requests_for_partitions_added_in_the_same_tick(config):
