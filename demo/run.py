@@ -8,6 +8,7 @@ by the process ids it started, on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -118,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
         writer = threading.Thread(target=_write_forever, args=(env["SIPHON_PG_DSN"], args.rate, stop), daemon=True)
         writer.start()
-        loader = threading.Thread(target=_check_when_loaded, args=(config_path, env, directory, stop, snapshotting),
-                                  daemon=True)
+        loader = threading.Thread(target=_check_when_loaded,
+                                  args=(config_path, env, directory, stop, snapshotting, port), daemon=True)
         loader.start()
         print(f"""
 Siphon demo is running.
@@ -182,28 +184,22 @@ class _Commands:
 
 
 def _check_when_loaded(config_path: Path, env: dict[str, str], directory: Path, stop: threading.Event,
-                       commands: _Commands) -> None:
+                       commands: _Commands, port: int) -> None:
     """The snapshot sensor loads every table by itself (each partition a run, in the UI); once every
     partition of every target asset is there, the checks run once, so that every asset shows them
-    (the `<group>_checks` schedule runs them every hour after that)."""
-    import dagster as dg
-
+    (the `<group>_checks` schedule runs them every hour after that). Progress is read from the
+    webserver's GraphQL API, the figures the UI shows: this process does not load Dagster itself,
+    which it would hold for the whole demo."""
+    from siphon_core import naming
     from siphon_core.config import load_config
-    from siphon_dagster.specs import table_specs
 
-    specs = table_specs(load_config(config_path))
-    instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
-
-    def loaded() -> bool:
-        for spec in specs:
-            keys = set(instance.get_dynamic_partitions(spec.partitions_def_name))
-            for target in spec.targets:
-                if not keys or not keys <= instance.get_materialized_partitions(spec.target_key(target)):
-                    return False
-        return True
+    config = load_config(config_path)
+    targets = tuple(config.targets.configured())
+    wanted = [naming.asset_key_path(target, table.schema_name, table.table_name)
+              for table in config.tables for target in targets if table.targets is None or target in table.targets]
 
     while not stop.wait(15.0):
-        if loaded():
+        if _partitions_all_materialized(port, wanted):
             break
     if stop.is_set():
         return
@@ -224,3 +220,21 @@ def _write_forever(dsn: str, rate: float, stop: threading.Event) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _partitions_all_materialized(port: int, asset_paths: list[list[str]]) -> bool:
+    """Whether every partition of each asset is materialized, as the webserver counts them; False
+    while the webserver does not answer (asked again at the next look)."""
+    query = ("query Loaded($keys: [AssetKeyInput!]) { assetNodes(assetKeys: $keys) { assetKey { path } "
+             "partitionStats { numMaterialized numPartitions } } }")
+    body = json.dumps({"query": query, "variables": {"keys": [{"path": path} for path in asset_paths]}}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            nodes = json.load(response)["data"]["assetNodes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    stats = {tuple(node["assetKey"]["path"]): node.get("partitionStats") for node in nodes}
+    return all((found := stats.get(tuple(path))) and found["numPartitions"]
+               and found["numMaterialized"] == found["numPartitions"] for path in asset_paths)
