@@ -186,10 +186,10 @@ class _Commands:
 def _check_when_loaded(config_path: Path, env: dict[str, str], directory: Path, stop: threading.Event,
                        commands: _Commands, port: int) -> None:
     """The snapshot sensor loads every table by itself (each partition a run, in the UI); once every
-    partition of every target asset is there, the checks run once, so that every asset shows them
-    (the `<group>_checks` schedule runs them every hour after that). Progress is read from the
-    webserver's GraphQL API, the figures the UI shows: this process does not load Dagster itself,
-    which it would hold for the whole demo."""
+    target asset is loaded (at once on the demo's kept records), the checks run once, so that every
+    asset shows them (the `<group>_checks` schedule runs them every hour after that). Progress is
+    read from the webserver's GraphQL API, the figures the UI shows: this process does not load
+    Dagster itself, which it would hold for the whole demo."""
     from siphon_core import naming
     from siphon_core.config import load_config
 
@@ -223,10 +223,12 @@ if __name__ == "__main__":
 
 
 def _partitions_all_materialized(port: int, asset_paths: list[list[str]]) -> bool:
-    """Whether every partition of each asset is materialized, as the webserver counts them; False
-    while the webserver does not answer (asked again at the next look)."""
+    """Whether each asset is loaded, as the webserver counts its partitions: some materialized and
+    none in progress or failed. A load's runs count as in progress from the moment the sensor
+    queues them; a range that a growing table filled since its load is left to the stream, and
+    never materialized. False while the webserver does not answer (asked again at the next look)."""
     query = ("query Loaded($keys: [AssetKeyInput!]) { assetNodes(assetKeys: $keys) { assetKey { path } "
-             "partitionStats { numMaterialized numPartitions } } }")
+             "partitionStats { numMaterialized numPartitions numMaterializing numFailed } } }")
     body = json.dumps({"query": query, "variables": {"keys": [{"path": path} for path in asset_paths]}}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -236,5 +238,5 @@ def _partitions_all_materialized(port: int, asset_paths: list[list[str]]) -> boo
     except (OSError, ValueError, KeyError, TypeError):
         return False
     stats = {tuple(node["assetKey"]["path"]): node.get("partitionStats") for node in nodes}
-    return all((found := stats.get(tuple(path))) and found["numPartitions"]
-               and found["numMaterialized"] == found["numPartitions"] for path in asset_paths)
+    return all((found := stats.get(tuple(path))) and found["numMaterialized"] > 0
+               and found["numMaterializing"] == 0 and found["numFailed"] == 0 for path in asset_paths)
