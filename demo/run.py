@@ -199,7 +199,7 @@ def _check_when_loaded(config_path: Path, env: dict[str, str], directory: Path, 
               for table in config.tables for target in targets if table.targets is None or target in table.targets]
 
     while not stop.wait(15.0):
-        if _partitions_all_materialized(port, wanted):
+        if _all_loaded(port, wanted):
             break
     if stop.is_set():
         return
@@ -218,17 +218,13 @@ def _write_forever(dsn: str, rate: float, stop: threading.Event) -> None:
             time.sleep(1.0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-def _partitions_all_materialized(port: int, asset_paths: list[list[str]]) -> bool:
+def _all_loaded(port: int, asset_paths: list[list[str]]) -> bool:
     """Whether each asset is loaded, as the webserver counts its partitions: some materialized and
     none in progress or failed. A load's runs count as in progress from the moment the sensor
     queues them; a range that a growing table filled since its load is left to the stream, and
     never materialized. False while the webserver does not answer (asked again at the next look)."""
     query = ("query Loaded($keys: [AssetKeyInput!]) { assetNodes(assetKeys: $keys) { assetKey { path } "
-             "partitionStats { numMaterialized numPartitions numMaterializing numFailed } } }")
+             "partitionStats { numMaterialized numMaterializing numFailed } } }")
     body = json.dumps({"query": query, "variables": {"keys": [{"path": path} for path in asset_paths]}}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -240,3 +236,8 @@ def _partitions_all_materialized(port: int, asset_paths: list[list[str]]) -> boo
     stats = {tuple(node["assetKey"]["path"]): node.get("partitionStats") for node in nodes}
     return all((found := stats.get(tuple(path))) and found["numMaterialized"] > 0
                and found["numMaterializing"] == 0 and found["numFailed"] == 0 for path in asset_paths)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
