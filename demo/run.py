@@ -214,6 +214,8 @@ def _write_forever(dsn: str, rate: float, stop: threading.Event) -> None:
         try:
             workload.run(dsn, changes_per_second=rate, duration_seconds=5.0)
         except Exception as error:  # keep the demo alive through a transient database error
+            if stop.is_set():
+                return  # the database is stopping with the demo: not an error to show
             print(f"workload: {error}", file=sys.stderr)
             time.sleep(1.0)
 
