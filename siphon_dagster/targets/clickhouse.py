@@ -23,8 +23,9 @@ import clickhouse_connect
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from clickhouse_connect.driver.exceptions import ClickHouseError
+from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
 from clickhouse_connect.driver.external import ExternalData
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from siphon_core.config import ClickHouseTargetConfig
 from siphon_core.redaction import redact_url
@@ -305,9 +306,17 @@ class ClickHouseTarget(SqlTarget):
 
     def _insert_landing(self, names: TableNames, landing: str, staged: pa.Table) -> None:
         self._statements += 1
+        # The stream goes out as the buffer it was written to: given bytes, the driver would copy
+        # the whole batch once more to put the statement in front of it. It then no longer sends a
+        # body again on a connection the server closed, so that is done here: a batch's rows carry
+        # their versions, and one applied twice changes nothing.
+        body = memoryview(_arrow_stream(staged))
         try:
-            self._connect().raw_insert(landing, staged.column_names, insert_block=_arrow_stream(staged),
-                                       settings=BATCH_INSERT_SETTINGS, fmt="ArrowStream")
+            for attempt in Retrying(retry=retry_if_exception_type(OperationalError), stop=stop_after_attempt(2),
+                                    reraise=True):
+                with attempt:
+                    self._connect().raw_insert(landing, staged.column_names, insert_block=body,
+                                               settings=BATCH_INSERT_SETTINGS, fmt="ArrowStream")
         except ClickHouseError as error:
             self._landings.discard(landing)  # looked up again by the next ensure_table
             raise TargetError(names.describe(f"applying a batch through {landing} failed: {error}")) from error
@@ -320,7 +329,7 @@ class ClickHouseTarget(SqlTarget):
         # temporary table of one query): one request, where a staging table costs a CREATE, an
         # insert and a DROP more, each a request and a change of the catalog. A large batch goes
         # through a staging table: an external table arrives as a form, which a server reads whole.
-        batch = ExternalData(data=_arrow_stream(staged), file_name=sql.BATCH_TABLE, fmt="ArrowStream",
+        batch = ExternalData(data=_arrow_stream(staged).to_pybytes(), file_name=sql.BATCH_TABLE, fmt="ArrowStream",
                              structure=sql.dialect.stage_structure(names.table))
         self._write_each(names, targets, lambda target: self._execute(
             names, "applying a batch", sql.insert_from_stage(target, sql.quote(sql.BATCH_TABLE), names.table),
@@ -433,8 +442,13 @@ def _staged(names: TableNames, rows: pa.Table) -> pa.Table:
     )
 
 
-def _arrow_stream(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
+def _arrow_stream(table: pa.Table) -> pa.Buffer:
+    """The table as one Arrow IPC stream, written once into a buffer of its exact size (a growing
+    buffer copies what it holds each time it grows)."""
+    size = pa.MockOutputStream()
+    with pa.ipc.new_stream(size, table.schema) as writer:
         writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    stream = pa.allocate_buffer(size.size())
+    with pa.ipc.new_stream(pa.FixedSizeBufferWriter(stream), table.schema) as writer:
+        writer.write_table(table)
+    return stream

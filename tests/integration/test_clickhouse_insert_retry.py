@@ -1,0 +1,131 @@
+"""A stream batch's insert meets a server that closes the connection without answering.
+
+The batch goes to the server as the buffer its Arrow stream was written to, which the driver does
+not send twice by itself: the target sends it again, once. A proxy in front of the embedded server
+reads one whole request and closes the connection, as a server restarting or dropping an idle
+keep-alive connection does; the batch must then arrive, once, through the next connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import pytest
+
+from siphon_core.config import parse_config
+from siphon_dagster.targets import build_target
+from siphon_dagster.targets.clickhouse import ClickHouseTarget
+from tests.integration.test_targets_version_rule import NOTES, batch, row
+
+
+class DroppingProxy:
+    """Forwards HTTP/1.1 requests to `upstream`, one at a time per connection; after
+    `drop_next(marker)`, the next request whose request line holds `marker` is read whole and its
+    connection closed without a response."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.dropped: list[bytes] = []  # the request lines of the requests dropped
+        self._marker: bytes | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def drop_next(self, marker: bytes) -> None:
+        with self._lock:
+            self._marker = marker
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        server = socket.create_connection(self.upstream)
+        threading.Thread(target=_pipe, args=(server, client), daemon=True).start()
+        pending = b""
+        with client, server:
+            while True:
+                request, pending = _read_request(client, pending)
+                if request is None:
+                    return
+                line = request.split(b"\r\n", 1)[0]
+                with self._lock:
+                    drop = self._marker is not None and self._marker in line
+                    if drop:
+                        self._marker = None
+                if drop:
+                    self.dropped.append(line)
+                    client.shutdown(socket.SHUT_RDWR)
+                    return
+                server.sendall(request)
+
+
+def _read_request(client: socket.socket, pending: bytes) -> tuple[bytes | None, bytes]:
+    """One request (head and a Content-Length body) and what arrived after it; None at the end."""
+    while b"\r\n\r\n" not in pending:
+        piece = client.recv(1 << 20)
+        if not piece:
+            return None, b""
+        pending += piece
+    head, rest = pending.split(b"\r\n\r\n", 1)
+    fields = [line.lower() for line in head.split(b"\r\n")[1:]]
+    assert not any(f.startswith(b"transfer-encoding:") for f in fields), "chunked bodies are not forwarded here"
+    length = next((int(f.split(b":", 1)[1]) for f in fields if f.startswith(b"content-length:")), 0)
+    while len(rest) < length:
+        piece = client.recv(1 << 20)
+        if not piece:
+            return None, b""
+        rest += piece
+    return head + b"\r\n\r\n" + rest[:length], rest[length:]
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while piece := source.recv(1 << 20):
+            sink.sendall(piece)
+    except OSError:
+        pass
+
+
+@pytest.fixture
+def proxy(clickhouse_url: str) -> Iterator[DroppingProxy]:
+    url = urlparse(clickhouse_url)
+    started = DroppingProxy((url.hostname or "127.0.0.1", url.port or 8123))
+    yield started
+    started.close()
+
+
+def test_a_batch_whose_connection_the_server_closed_unanswered_is_sent_again_once(proxy: DroppingProxy,
+                                                                                  unique_name: str) -> None:
+    config = parse_config({
+        "application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"},
+        "tables": [{"name": "public.t"}],
+        "targets": {"clickhouse": {"url": f"http://127.0.0.1:{proxy.port}", "database": unique_name}},
+    })
+    target = build_target("clickhouse", config)
+    assert isinstance(target, ClickHouseTarget)
+    try:
+        target.ensure_table(NOTES)
+        target.apply_rows(NOTES, batch(NOTES, [row(1, "first", 1, 10)]))  # the landing exists from here on
+
+        proxy.drop_next(b"ArrowStream")
+        target.apply_rows(NOTES, batch(NOTES, [row(2, "second", 2, 11), row(1, "first, changed", 3, 12)]))
+
+        assert len(proxy.dropped) == 1  # the landing's insert, read whole and not answered
+        assert target.current_rows_as_text(NOTES) == [("1", "first, changed", "3"), ("2", "second", "2")]
+        client = target._connect()  # noqa: SLF001 - what the table holds, beyond its current view
+        stored = client.query(f"SELECT count() FROM `{unique_name}`.`public__notes`").result_rows[0][0]
+        assert stored == 3  # each version once: the dropped request wrote nothing
+    finally:
+        target.close()
