@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import read_package, spans_array, summarize_package
+from siphon_core.wire.event_columns import gather_spans_into, read_package, spans_array, summarize_package
 from siphon_core.wire.tuple_columns import split_tuples
 from siphon_core.wire.tuple_data import encode_tuple
 
@@ -27,6 +27,8 @@ def compile_all() -> None:
     if events is None or summary.event_count != 1:
         raise RuntimeError("the compiled event reader could not read a package it should read")
     spans_array(events.data, events.new_starts, events.new_lengths)
+    gather_spans_into(events.data, events.new_starts, events.new_lengths,
+                      np.empty(int(events.new_lengths.sum()), np.uint8), np.zeros(2, np.int64), 0)
     events.event(0)
 
 

@@ -178,6 +178,14 @@ def gather_spans(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> t
     return _gather_spans(data, np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(lengths, np.int64))
 
 
+def gather_spans_into(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray,
+                      offsets: np.ndarray, first_span: int) -> None:
+    """`gather_spans` into arrays the caller made for the spans of many sources: the bytes go to
+    `out` from `offsets[first_span]` on, and `offsets[first_span + 1 + i]` is where span i ends."""
+    _gather_spans_into(data, np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(lengths, np.int64),
+                       out, offsets, first_span)
+
+
 def spans_array(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
     """The spans as an Arrow binary column (large_binary past 2 GiB)."""
     return binary_array(*gather_spans(data, starts, lengths))
@@ -441,6 +449,16 @@ def _without_events(data):  # pragma: no cover - compiled
             out[used:used + pos - start] = data[start:pos]
             used += pos - start
     return out[:used]
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_spans_into(data, starts, lengths, out, offsets, first_span):  # pragma: no cover - compiled
+    position = offsets[first_span]
+    for i in range(starts.shape[0]):
+        length = lengths[i]
+        out[position:position + length] = data[starts[i]:starts[i] + length]
+        position += length
+        offsets[first_span + 1 + i] = position
 
 
 @numba.njit(cache=True, nogil=True)

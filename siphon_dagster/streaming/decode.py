@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
-from siphon_core.wire.event_columns import binary_array, gather_spans, read_package
+from siphon_core.wire.event_columns import binary_array, gather_spans_into, read_package
 from siphon_core.wire.packages import decompress_package
 from siphon_core.wire.tuple_columns import MalformedTupleError, TupleColumns, split_tuples
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST, TupleDataError, Value, decode_tuple, encode_tuple
@@ -123,7 +123,8 @@ class _Rows:
 class AsSentRows:
     """The events of many packages that are their row as sent (see `PackageDecoder.decode`), kept as
     arrays and made into one record batch: a batch of a run of hundreds of tables holds tens of
-    small packages, and building eight Arrow arrays per package cost more than reading it."""
+    small packages, and building eight Arrow arrays per package cost more than reading it. Each
+    package's values are copied once, when the batch is made, straight into the batch's column."""
 
     def __init__(self) -> None:
         self._reset()
@@ -133,32 +134,33 @@ class AsSentRows:
         self._lsns: list[np.ndarray] = []
         self._positions: list[np.ndarray] = []
         self._seqs: list[np.ndarray] = []
-        self._offsets: list[np.ndarray] = []
-        self._values: list[np.ndarray] = []
+        self._spans: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (package data, starts, lengths)
         self._value_bytes = 0
         self.count = 0
-        self.nbytes = 0  # what the gathered values and the per-row arrays hold
+        self.nbytes = 0  # what the held packages and the per-row arrays hold
 
     def add(self, ops: np.ndarray, lsns: np.ndarray, positions: np.ndarray, seq: int, data: np.ndarray,
             starts: np.ndarray, lengths: np.ndarray) -> None:
-        offsets, values = gather_spans(data, starts, lengths)
         self._ops.append(ops)
         self._lsns.append(lsns)
         self._positions.append(positions)
         self._seqs.append(np.full(ops.size, seq, np.int64))
-        self._offsets.append(offsets[:-1] + self._value_bytes)
-        self._values.append(values)
-        self._value_bytes += values.size
+        self._spans.append((data, starts, lengths))
+        self._value_bytes += int(lengths.sum())
         self.count += ops.size
-        self.nbytes += values.nbytes + ops.size * _AS_SENT_ROW_BYTES
+        self.nbytes += data.nbytes + ops.size * _AS_SENT_ROW_BYTES
 
     def batch(self) -> pa.RecordBatch | None:
         """Every row added, as one batch laid out by `DECODED_SCHEMA`; None without rows. Starts over."""
         if not self.count:
             return None
         ops = np.concatenate(self._ops)
-        values = np.concatenate(self._values)
-        offsets = np.concatenate([*self._offsets, np.array([values.size], np.int64)])
+        values = np.empty(self._value_bytes, np.uint8)
+        offsets = np.empty(self.count + 1, np.int64)
+        offsets[0] = first = 0
+        for data, starts, lengths in self._spans:
+            gather_spans_into(data, starts, lengths, values, offsets, first)
+            first += starts.size
         made = pa.RecordBatch.from_arrays(
             [pa.nulls(self.count, pa.binary()), pa.array(ops), pa.array(np.concatenate(self._lsns)),
              pa.array(np.concatenate(self._positions)), pa.array(np.concatenate(self._seqs)),

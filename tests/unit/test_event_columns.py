@@ -13,6 +13,7 @@ from siphon_core.wire.event_columns import (
     UNKNOWN_OPERATION,
     PackageSummary,
     gather_spans,
+    gather_spans_into,
     read_events,
     read_package,
     summarize_package,
@@ -102,6 +103,14 @@ def test_spans_are_gathered_into_binary_column_parts():
     data = np.frombuffer(b"0123456789", np.uint8)
     offsets, out = gather_spans(data, np.array([2, 0, 9]), np.array([3, 0, 1]))
     assert offsets.tolist() == [0, 3, 3, 4] and bytes(out) == b"2349"
+
+
+def test_spans_of_several_sources_are_gathered_into_one_column():
+    first, second = np.frombuffer(b"0123456789", np.uint8), np.frombuffer(b"abcdef", np.uint8)
+    out, offsets = np.zeros(7, np.uint8), np.zeros(6, np.int64)
+    gather_spans_into(first, np.array([2, 0, 9]), np.array([3, 0, 1]), out, offsets, 0)
+    gather_spans_into(second, np.array([4, 0]), np.array([2, 1]), out, offsets, 3)
+    assert offsets.tolist() == [0, 3, 3, 4, 6, 7] and bytes(out) == b"2349efa"
 
 
 def test_a_package_reads_as_its_envelope_and_its_events():
