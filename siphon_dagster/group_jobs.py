@@ -37,6 +37,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                     "each table on its own consumer, acking only what the target committed.",
     )
     def _stream(context: dg.OpExecutionContext, config: GroupRunConfig) -> None:
+        from siphon_dagster.snapshot_sensor import made_anew
         from siphon_dagster.streaming import metrics as stream_metrics
         from siphon_dagster.streaming.consumer import StreamConsumer
         from siphon_dagster.streaming.group_run import GroupRunner, TableFailure
@@ -60,6 +61,11 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
 
         def on_batch(report: BatchReport) -> None:
             stream_metrics.record_batch(group.target, report.table, report)
+            if report.created_table:
+                context.log.info(f"{report.table}: no table at {group.target}; the stream made it and the "
+                                 "snapshot sensor loads it again")
+                context.log_event(made_anew(specs[report.table].target_key(group.target),
+                                            f"{report.table} at {group.target}"))
             aggregate = limiter.add(report, time.monotonic())
             if aggregate is not None:
                 materialize(aggregate)

@@ -38,11 +38,16 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
                     "PySpark, acking only what the target committed.",
     )
     def _stream(context: dg.OpExecutionContext, config: StreamRunConfig) -> None:
+        from siphon_dagster.snapshot_sensor import made_anew
         from siphon_dagster.streaming.consumer import StreamConsumer
         from siphon_dagster.streaming.report import BatchReport
         from siphon_dagster.streaming.source_rows import SourceRowReader
 
         def record(report: BatchReport) -> None:
+            if report.created_table:
+                context.log.info(f"{spec.qualified_name}: no table at {target}; the stream made it and the "
+                                 "snapshot sensor loads it again")
+                context.log_event(made_anew(asset_key, f"{spec.qualified_name} at {target}"))
             metadata = {
                 "applied_lsn": report.applied_lsn_text,
                 "rows_by_operation": dg.MetadataValue.json(report.rows_by_operation),

@@ -83,8 +83,10 @@ def plan_table(partitions: Partitions, entry: Mapping[str, Any], *, load_runs: M
     target cannot be reached, and then nothing is requested (the run would only fail, spending an
     attempt); it is asked only when the answer matters, and a loaded table's presence at most
     every `table_check_seconds` (each question is a query at the target). `dropped` says that an
-    operator dropped the table at the target since the last tick (`siphon-dagster target drop`):
-    every partition not running is then loaded again, failed ones included.
+    operator dropped the table at the target since the last tick (`siphon-dagster target drop`), or
+    that a streaming run found it missing there and made it: every partition not running is then
+    loaded again, failed ones included. A table none of whose partitions is loaded lost nothing: a
+    stream may make a new table before its first load does, and that load goes on as it is.
     """
     plan = Plan()
     reachable: list[bool | None] = []
@@ -101,7 +103,7 @@ def plan_table(partitions: Partitions, entry: Mapping[str, Any], *, load_runs: M
                                     max_attempts=max_attempts, first_delay=first_retry_delay)
     load = entry.get("load")
     checked_at = entry.get("checked_at", 0.0)
-    if dropped and auto_load and partitions.keys and can_request():
+    if dropped and auto_load and partitions.materialized and can_request():
         # A stream may have made the table again already: the drop, not the target, is the signal.
         load = {"at": now}
         plan.load = [k for k in partitions.keys if k not in partitions.in_progress]

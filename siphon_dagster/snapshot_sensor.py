@@ -82,6 +82,17 @@ def record_drop(instance: dg.DagsterInstance, asset_key: dg.AssetKey, what: str)
         metadata={DROPPED_METADATA: True}))
 
 
+def made_anew(asset_key: dg.AssetKey, what: str) -> dg.AssetObservation:
+    """What a streaming run records when its batch found no table at the target and made it: the
+    target lost the table (dropped by hand, a database restored or replaced), and the sensor, which
+    looks for a loaded table at its target only every few minutes, would find it there again. The
+    observation is the sensor's signal, as a recorded drop is."""
+    return dg.AssetObservation(
+        asset_key=asset_key,
+        description=f"{what} was not at the target, so the stream made it; the snapshot sensor loads it again",
+        metadata={DROPPED_METADATA: True})
+
+
 def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int | None) -> tuple[bool, int | None]:
     """Whether a drop was recorded after the observation `seen` (a storage id), and the latest
     observation's id. The first look only sets that mark: an older drop was followed by a load."""
@@ -298,7 +309,7 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
                       now=now, auto_load=settings.auto_load, max_attempts=settings.max_attempts,
                       first_retry_delay=settings.retry_delay_seconds, table_check_seconds=table_check_seconds,
                       dropped=dropped)
-    if dropped and settings.auto_load and not plan.load_started:
+    if dropped and settings.auto_load and not plan.load_started and partitions.materialized:
         seen = entry.get("seen")  # not acted on (the target did not answer): looked at again next tick
     if seen is not None:
         plan.entry["seen"] = seen

@@ -455,12 +455,14 @@ class StreamConsumer:
         timings: dict[str, float] = {"pull": batch.pull_seconds}
         applied: AppliedBatch | None = None
         warnings: list[str] = []
+        created = False
         dead_lettered = list(batch.dead_lettered)
         apply_started = time.perf_counter()
         if batch.packages:
             applied, rejected = await self.strategy.apply(batch.packages, batch.by_sequence, batch.early)
             dead_lettered += rejected
             warnings = self.applier.schemas.take_warnings()
+            created = self.applier.schemas.take_created()
         elif batch.early is not None:
             await batch.early
         started = time.perf_counter()
@@ -481,7 +483,9 @@ class StreamConsumer:
             self._last_schema = applied.schema
         report = self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
                               await self._pending_after(batch), warnings)
-        return dataclasses.replace(report, schema_changed=schema_changed) if schema_changed else report
+        if schema_changed or created:
+            report = dataclasses.replace(report, schema_changed=schema_changed, created_table=created)
+        return report
 
     def _forget_acked(self, sequences: set[int]) -> None:
         """Stops marking acked messages in progress; an older copy of an acked sequence (a slice

@@ -31,6 +31,8 @@ class BatchReport:
     load_path: str | None = None  # how the target loaded the batch, when it says (Snowflake: stage or insert)
     schema_changed: bool = False  # the target's table schema differs from the previous batch's
     decoded_in_driver: bool = False  # small batch: decoded in the run's process, not by Spark tasks
+    # The target had no table and this batch made it: whatever it held before is not there.
+    created_table: bool = False
 
     @property
     def applied_lsn_text(self) -> str:

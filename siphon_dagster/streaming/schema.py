@@ -73,6 +73,7 @@ class SchemaTracker:
         self.source = source
         self._applied: _Applied | None = None
         self._warnings: list[str] = []
+        self._created = False  # the target had no table and a batch made it
 
     @property
     def qualified_name(self) -> str:
@@ -101,6 +102,12 @@ class SchemaTracker:
             return False
         return all((p.fingerprint or column_fingerprint(p.columns)) == applied.fingerprint for p in packages)
 
+    def take_created(self) -> bool:
+        """Whether a batch since the last call made the table at the target (then forgotten): the
+        rows it held before, if any, are not there, and only a snapshot brings them back."""
+        created, self._created = self._created, False
+        return created
+
     def take_warnings(self) -> list[str]:
         """What the batches resolved since the last call need an operator for (then forgotten)."""
         warnings, self._warnings = self._warnings, []
@@ -112,6 +119,7 @@ class SchemaTracker:
         candidates = [c for c in table.columns if not c.primary_key and c.name not in known]
         existing = self.source.existing_rows_values(table, candidates) if self.source and candidates else {}
         change = self.target.ensure_table(table, backfill(existing))
+        self._created = self._created or change.created
         if change.incompatible:
             raise IncompatibleSchemaError(
                 f"table {self.qualified_name}: target {self.target.name} cannot follow the source's schema as "

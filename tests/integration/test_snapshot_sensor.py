@@ -11,11 +11,18 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 from dagster._core.test_utils import create_run_for_test
 from psycopg import sql
 
+from siphon_core import naming
 from siphon_core.config import parse_config
 from siphon_dagster import snapshot_sensor, source
 from siphon_dagster.assets import snapshot_pool
 from siphon_dagster.definitions import build_definitions, build_resources
-from siphon_dagster.snapshot_sensor import AUTOLOAD_TAG, LOAD_TAG, build_snapshot_sensor, record_drop
+from siphon_dagster.snapshot_sensor import (
+    AUTOLOAD_TAG,
+    DROPPED_METADATA,
+    LOAD_TAG,
+    build_snapshot_sensor,
+    record_drop,
+)
 from siphon_dagster.specs import table_specs
 from siphon_dagster.stream_groups import stream_groups
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
@@ -395,3 +402,60 @@ def test_the_state_shows_streaming_lag_and_check_results(config):
         instance.report_runless_asset_event(dg.AssetMaterialization(
             asset_key=harness.key, metadata={"applied_lsn": "0/16B4000", "lag_seconds": 0.7}))
         assert harness.tick().asset_events == []
+
+
+@pytest.mark.parametrize("runner", ["group run", "single-table drain"])
+def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(app, clickhouse_url, runner):
+    """No drop recorded: the table vanished at the target (dropped by hand, a database replaced)
+    and the stream's next batch made it again, empty, before the sensor looked for it there."""
+    app.sql("create table {schema}.items (id int primary key, body text)")
+    app.sql("insert into {schema}.items select g, repeat('x', 200) from generate_series(1, 300) g")
+    app.producer(["items"])
+    config = make_config(app.dsn, app.nats_url, clickhouse_url, app.schema)
+    if runner == "group run":
+        [group] = stream_groups(config, table_specs(config))
+        job_name, op = group.job_name, group.op_name
+    else:
+        job_name = naming.stream_job_name("clickhouse", app.schema, "items")
+        op = f"apply_clickhouse_{naming.job_suffix(app.schema, 'items')}"
+    job = build_definitions(config).resolve_job_def(job_name)
+
+    def drain(instance):
+        result = job.execute_in_process(run_config={"ops": {op: {"config": {"stop_when_drained": True}}}},
+                                        instance=instance)
+        assert result.success
+        return [event.event_specific_data.asset_observation for event in result.all_events
+                if event.event_type_value == "ASSET_OBSERVATION"]
+
+    with dg.instance_for_test() as instance:
+        # The presence check is minutes away, and a settled table is looked at every tick here.
+        harness = Harness(config, instance, table_check_seconds=600, settled_look_seconds=0)
+        first = harness.tick()
+        assert all(harness.run(request).success for request in first.run_requests)
+        harness.tick()
+        app.sql("update {schema}.items set body = 'changed' where id = 1")
+        app.wait_for_events(1, "items")
+        assert drain(instance) == []  # the table was there: nothing to say
+
+        target = harness.target()
+        try:
+            target.drop_table(harness.table())
+        finally:
+            target.close()
+        app.sql("insert into {schema}.items values (301, 'after the loss')")
+        app.wait_for_events(2, "items")
+        [observation] = drain(instance)
+        assert observation.metadata[DROPPED_METADATA].value is True
+        assert "the stream made it" in observation.description
+
+        again = harness.tick()
+        assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
+        assert all(harness.run(request).success for request in again.run_requests)
+        assert state(harness.tick()) == "loaded"
+        table = harness.table()
+        target = harness.target()
+        try:
+            assert target.current_rows_as_text(table) == app.rows_as_text(table)
+            assert len(target.current_rows_as_text(table)) == 301
+        finally:
+            target.close()

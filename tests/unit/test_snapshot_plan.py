@@ -118,7 +118,16 @@ def test_a_drop_loads_every_partition_not_running_again_and_forgets_its_failures
     result = plan(status={A: FAILED, B: MATERIALIZED, C: IN_PROGRESS}, entry=entry, dropped=True)
     assert result.load == [A, B] and result.load_started and result.retries == []
     assert "failed" not in result.entry
-    assert plan(dropped=True, missing=None).load == []
+    assert plan(status={B: MATERIALIZED}, dropped=True, missing=None).load == []
+
+
+def test_a_drop_of_a_table_nothing_of_which_is_loaded_leaves_its_first_load_as_it_is():
+    # A stream made the table before the load's runs did: the load in progress fills it.
+    running = {key: RUN_ACTIVE for key in KEYS}
+    result = plan(status={A: IN_PROGRESS}, entry={"load": {"at": 1.0}}, load_runs=running, dropped=True)
+    assert result.load == [] and not result.load_started and result.entry["load"] == {"at": 1.0}
+    # Before any load, the table is new and loads as one.
+    assert plan(dropped=True).load == list(KEYS)
 
 
 def test_settled_tables_are_looked_at_a_few_a_second_in_all_however_many_there_are():
