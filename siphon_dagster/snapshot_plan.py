@@ -16,7 +16,7 @@ partitions' attempts: which partitions are materialized, failed or running is Da
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,8 @@ class Plan:
     load: list[str] = field(default_factory=list)  # partitions requested as part of a load
     retries: list[Retry] = field(default_factory=list)
     load_started: bool = False
+    drop_deferred: bool = False  # a drop to act on once the target answers
+    reload: bool = False  # `load` holds partitions a drop took away
     entry: dict[str, Any] = field(default_factory=dict)  # the (target, table)'s new cursor entry
 
 
@@ -75,18 +77,19 @@ class Partitions:
 
 def plan_table(partitions: Partitions, entry: Mapping[str, Any], *, load_runs: Mapping[str, str],
                table_missing: Callable[[], bool | None], now: float, auto_load: bool, max_attempts: int,
-               first_retry_delay: float, table_check_seconds: float = 0.0, dropped: bool = False) -> Plan:
+               first_retry_delay: float, table_check_seconds: float = 0.0,
+               lost: Collection[str] = ()) -> Plan:
     """The requests for one (target, table) and its next cursor entry.
 
     `load_runs` maps each partition that a run of the current load covers to RUN_ACTIVE or
     RUN_ENDED. `table_missing()` asks the target whether the table is absent: None when the
     target cannot be reached, and then nothing is requested (the run would only fail, spending an
     attempt); it is asked only when the answer matters, and a loaded table's presence at most
-    every `table_check_seconds` (each question is a query at the target). `dropped` says that an
-    operator dropped the table at the target since the last tick (`siphon-dagster target drop`), or
-    that a streaming run found it missing there and made it: every partition not running is then
-    loaded again, failed ones included. A table none of whose partitions is loaded lost nothing: a
-    stream may make a new table before its first load does, and that load goes on as it is.
+    every `table_check_seconds` (each question is a query at the target). `lost` names the partitions
+    whose rows a drop of the table at the target took away since the last tick: materialized before
+    an operator dropped it (`siphon-dagster target drop`) or before a streaming run found it missing
+    there and made it. They are loaded again, failures forgotten; partitions materialized after the
+    drop are at the target, and a load in progress goes on with the lost partitions added to it.
     """
     plan = Plan()
     reachable: list[bool | None] = []
@@ -103,13 +106,17 @@ def plan_table(partitions: Partitions, entry: Mapping[str, Any], *, load_runs: M
                                     max_attempts=max_attempts, first_delay=first_retry_delay)
     load = entry.get("load")
     checked_at = entry.get("checked_at", 0.0)
-    if dropped and auto_load and partitions.materialized and can_request():
-        # A stream may have made the table again already: the drop, not the target, is the signal.
-        load = {"at": now}
-        plan.load = [k for k in partitions.keys if k not in partitions.in_progress]
-        plan.load_started = True
-        plan.retries = []
-        plan.entry["failed"] = {k: r for k, r in plan.entry["failed"].items() if k in partitions.in_progress}
+    # A stream may have made the table again already: the drop, not the target, is the signal.
+    taken = sorted(k for k in lost if k in partitions.keys and k not in partitions.in_progress) if auto_load else []
+    if taken and not can_request():
+        plan.drop_deferred = True
+    elif taken:
+        if load is None:
+            load = {"at": now}
+            plan.load_started = True
+        plan.load, plan.reload = taken, True
+        plan.retries = [retry for retry in plan.retries if retry.key not in taken]
+        plan.entry["failed"] = {k: r for k, r in plan.entry["failed"].items() if k not in taken}
     elif load is None:
         quiet = not partitions.in_progress and not partitions.failed and partitions.keys
         new = not partitions.materialized

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
+from dagster._core.events import DagsterEventType
 from dagster._core.storage.tags import PARTITION_NAME_TAG, PRIORITY_TAG
 
 from siphon_core.config import SnapshotsConfig
@@ -93,21 +94,35 @@ def made_anew(asset_key: dg.AssetKey, what: str) -> dg.AssetObservation:
         metadata={DROPPED_METADATA: True})
 
 
-def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int | None) -> tuple[bool, int | None]:
-    """Whether a drop was recorded after the observation `seen` (a storage id), and the latest
-    observation's id. The first look only sets that mark: an older drop was followed by a load."""
+def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int | None
+                 ) -> tuple[int | None, int | None]:
+    """The storage id of the latest drop recorded after the observation `seen` (None when there is
+    none), and the latest observation's id. The first look only sets that mark: an older drop was
+    followed by a load."""
     filters = dg.AssetRecordsFilter(asset_key=asset_key, after_storage_id=seen)
     # The first look needs the latest observation only (newest first): the table's own state
     # observations may be a hundred, each read and decoded.
     records = instance.fetch_observations(filters, limit=_DROP_LOOKBACK if seen is not None else 1).records
     if not records:
-        return False, seen
+        return None, seen
     latest = max(record.storage_id for record in records)
     if seen is None:
-        return False, latest
-    dropped = any(record.asset_observation is not None and DROPPED_METADATA in record.asset_observation.metadata
-                  for record in records)
-    return dropped, latest
+        return None, latest
+    drops = [record.storage_id for record in records
+             if record.asset_observation is not None and DROPPED_METADATA in record.asset_observation.metadata]
+    return max(drops, default=None), latest
+
+
+def _lost_partitions(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str],
+                     drop: int | None) -> frozenset[str]:
+    """The partitions whose rows the drop recorded at storage id `drop` took away: those last
+    materialized before it. One materialized after it (a load that ran after the table was made
+    again) is at the target."""
+    if drop is None:
+        return frozenset()
+    latest = instance.event_log_storage.get_latest_storage_id_by_partition(
+        asset_key, DagsterEventType.ASSET_MATERIALIZATION, set(keys))
+    return frozenset(key for key, storage_id in latest.items() if storage_id < drop)
 
 
 def table_id(spec: TableSpec, target: str) -> str:
@@ -303,13 +318,13 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     status = {key: _STATUS.get(value.name) if value is not None else None for key, value in statuses.items()}
     load_runs = _load_runs(instance, name, entry.get("load"))
     partitions = Partitions.of(keys, status, load_runs)
-    dropped, seen = _drops_since(instance, asset_key, entry.get("seen"))
+    drop, seen = _drops_since(instance, asset_key, entry.get("seen"))
     now = time.time()
     plan = plan_table(partitions, entry, load_runs=load_runs, table_missing=lambda: probe.table_missing(spec),
                       now=now, auto_load=settings.auto_load, max_attempts=settings.max_attempts,
                       first_retry_delay=settings.retry_delay_seconds, table_check_seconds=table_check_seconds,
-                      dropped=dropped)
-    if dropped and settings.auto_load and not plan.load_started and partitions.materialized:
+                      lost=_lost_partitions(instance, asset_key, keys, drop))
+    if plan.drop_deferred:
         seen = entry.get("seen")  # not acted on (the target did not answer): looked at again next tick
     if seen is not None:
         plan.entry["seen"] = seen
@@ -317,8 +332,10 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     if plan.load_started:
         context.log.info(f"{name}: loading all {len(plan.load)} partitions")
     load_id = str(plan.entry["load"]["at"]) if plan.load else ""
+    # Partitions a drop took away may have run in this load already: their runs need keys of their own.
+    again = f":drop:{drop}" if plan.reload else ""
     for key in plan.load:
-        requests.append(_request(spec, target, key, run_key=f"{name}:{key}:load:{load_id}",
+        requests.append(_request(spec, target, key, run_key=f"{name}:{key}:load:{load_id}{again}",
                                  tags={LOAD_TAG: load_id}))
     for retry in plan.retries:
         context.log.info(f"{name}: partition {retry.key} failed; attempt {retry.attempt} of {settings.max_attempts}")
@@ -345,7 +362,7 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     plan.entry["state"] = digest
     plan.entry.pop(SETTLED_KEY, None)
     if (not requests and "load" not in plan.entry and "failed" not in plan.entry and not partitions.in_progress
-            and keys and not dropped and (not settings.auto_load or partitions.materialized == frozenset(keys))):
+            and keys and not plan.drop_deferred and (not settings.auto_load or partitions.materialized == frozenset(keys))):
         plan.entry[SETTLED_KEY] = now
     return requests, event, plan.entry
 

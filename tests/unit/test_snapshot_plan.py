@@ -113,21 +113,29 @@ def test_retry_delay_doubles_and_is_capped():
     assert retry_delay(12, 30.0) == 600.0
 
 
-def test_a_drop_loads_every_partition_not_running_again_and_forgets_its_failures():
+def test_partitions_a_drop_took_away_are_loaded_again_and_their_failures_forgotten():
+    # A failed after an earlier success, B loaded, C running: A and B lost their rows.
     entry = {"failed": {A: {"attempts": 3, "since": 1.0, "retry_at": 2.0}}}
-    result = plan(status={A: FAILED, B: MATERIALIZED, C: IN_PROGRESS}, entry=entry, dropped=True)
-    assert result.load == [A, B] and result.load_started and result.retries == []
+    result = plan(status={A: FAILED, B: MATERIALIZED, C: IN_PROGRESS}, entry=entry, lost={A, B, C})
+    assert result.load == [A, B] and result.load_started and result.reload and result.retries == []
     assert "failed" not in result.entry
-    assert plan(status={B: MATERIALIZED}, dropped=True, missing=None).load == []
+    unreachable = plan(status={B: MATERIALIZED}, lost={B}, missing=None)
+    assert unreachable.load == [] and unreachable.drop_deferred
 
 
-def test_a_drop_of_a_table_nothing_of_which_is_loaded_leaves_its_first_load_as_it_is():
-    # A stream made the table before the load's runs did: the load in progress fills it.
-    running = {key: RUN_ACTIVE for key in KEYS}
-    result = plan(status={A: IN_PROGRESS}, entry={"load": {"at": 1.0}}, load_runs=running, dropped=True)
-    assert result.load == [] and not result.load_started and result.entry["load"] == {"at": 1.0}
-    # Before any load, the table is new and loads as one.
-    assert plan(dropped=True).load == list(KEYS)
+def test_nothing_is_loaded_again_when_the_drop_took_nothing_away():
+    # Every partition was materialized after the drop (the table made again, then loaded), or none
+    # ever was (a new table whose stream made it before its first load's runs): nothing is lost.
+    loaded = plan(status=dict.fromkeys(KEYS, MATERIALIZED), lost=set())
+    assert loaded.load == [] and not loaded.reload and not loaded.drop_deferred
+    assert plan(lost=set()).load == list(KEYS)  # a new table loads as one, drop or not
+
+
+def test_a_drop_during_a_load_adds_what_it_took_to_that_load():
+    running = {B: RUN_ACTIVE, C: RUN_ACTIVE}
+    result = plan(status={A: MATERIALIZED}, entry={"load": {"at": 1.0}}, load_runs=running, lost={A})
+    assert result.load == [A] and result.reload and not result.load_started
+    assert result.entry["load"] == {"at": 1.0}  # the load goes on: its runs are still counted
 
 
 def test_settled_tables_are_looked_at_a_few_a_second_in_all_however_many_there_are():
