@@ -27,6 +27,15 @@ SNAPSHOT_RUN_TAG = "siphon/snapshot"  # a run that snapshots block ranges (it ho
 UNTAGGED_GRACE_SECONDS = 600.0
 
 
+def _parent_of(pid: int) -> int | None:
+    """The parent of process `pid`, from /proc (None where there is none, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def worker_identity(pid: int | None = None) -> str:
     """`host:pid:start` of a process (this one by default); `start` tells a reused pid apart."""
     pid = os.getpid() if pid is None else pid
@@ -80,17 +89,31 @@ def stop_when_orphaned(stop: Callable[[], None], on_orphaned: Callable[[str], No
     is killed, Dagster marks the run failed and the sensor starts another, but the child lives on
     and keeps applying the stream beside its replacement. Nothing it has not acked is lost when it
     stops: its unacknowledged messages are redelivered to the replacement.
+
+    The process that started the parent counts too: a code server whose own launcher (`dagster
+    dev`, `dagster code-server start`) died lives on to finish its runs, and a streaming run never
+    finishes. Its run then holds its tables with nobody to stop it or see it. A parent that had no
+    launcher to lose (started by init, a container's first process) is not watched that way.
     """
     parent = os.getppid()
+    launcher = _parent_of(parent)
     done = threading.Event()
+
+    def abandoned() -> str | None:
+        if os.getppid() != parent:
+            return f"the run's worker process {parent} is gone"
+        now = _parent_of(parent)
+        if launcher is not None and launcher > 1 and now is not None and now != launcher:
+            return f"process {launcher}, which started the run's worker {parent}, is gone"
+        return None
 
     def watch() -> None:
         while not done.wait(interval_seconds):
-            if os.getppid() != parent:
-                on_orphaned(f"the run's worker process {parent} is gone: stopping after the batch in progress")
+            if (reason := abandoned()) is not None:
+                on_orphaned(f"{reason}: stopping after the batch in progress")
                 stop()
                 if not done.wait(grace_seconds):
-                    on_orphaned(f"still running {grace_seconds:.0f}s after the run's worker died: exiting")
+                    on_orphaned(f"still running {grace_seconds:.0f}s after that: exiting")
                     os._exit(1)
                 # Left in time: the step records its end, then nothing is left for this process to do.
                 time.sleep(linger_seconds)

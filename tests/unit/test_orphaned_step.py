@@ -76,3 +76,32 @@ def test_a_step_stops_when_its_run_worker_is_killed(tmp_path: Path, obey: bool, 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
+
+
+LAUNCHER = textwrap.dedent("""
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+    time.sleep(120)
+""")
+
+
+def test_a_step_stops_when_the_process_that_started_its_run_worker_dies(tmp_path: Path) -> None:
+    # launcher (`dagster dev`) -> worker (its code server, which outlives it) -> step
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, STEP, str(tmp_path), "obey", "end"],
+                                start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "ready").exists() and (tmp_path / "ready").read_text(), 60, "the step to start")
+        step = int((tmp_path / "ready").read_text())
+        time.sleep(0.3)
+        assert alive(step) and not (tmp_path / "stopped").exists()
+
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+        _wait_for(lambda: not alive(step), 30, "the step to end")
+        assert f"process {launcher.pid}, which started the run's worker" in (tmp_path / "log").read_text()
+        assert (tmp_path / "stopped").read_text() == "yes"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
