@@ -86,10 +86,11 @@ def plan_table(partitions: Partitions, entry: Mapping[str, Any], *, load_runs: M
     target cannot be reached, and then nothing is requested (the run would only fail, spending an
     attempt); it is asked only when the answer matters, and a loaded table's presence at most
     every `table_check_seconds` (each question is a query at the target). `lost` names the partitions
-    whose rows a drop of the table at the target took away since the last tick: materialized before
-    an operator dropped it (`siphon-dagster target drop`) or before a streaming run found it missing
-    there and made it. They are loaded again, failures forgotten; partitions materialized after the
-    drop are at the target, and a load in progress goes on with the lost partitions added to it.
+    whose rows a drop of the table at the target took away since the last tick: not materialized
+    since an operator dropped it (`siphon-dagster target drop`) or since a streaming run found it
+    missing there and made it. They are loaded again, failures forgotten, unless running;
+    partitions materialized after the drop are at the target, and a load in progress goes on with
+    the lost partitions added to it.
     """
     plan = Plan()
     reachable: list[bool | None] = []

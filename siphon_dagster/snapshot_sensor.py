@@ -115,14 +115,14 @@ def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int
 
 def _lost_partitions(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str],
                      drop: int | None) -> frozenset[str]:
-    """The partitions whose rows the drop recorded at storage id `drop` took away: those last
-    materialized before it. One materialized after it (a load that ran after the table was made
-    again) is at the target."""
+    """The partitions whose rows the drop recorded at storage id `drop` took away: every one not
+    materialized since (a range a growing table filled after its load holds rows the stream wrote).
+    One materialized after it (a load that ran after the table was made again) is at the target."""
     if drop is None:
         return frozenset()
     latest = instance.event_log_storage.get_latest_storage_id_by_partition(
         asset_key, DagsterEventType.ASSET_MATERIALIZATION, set(keys))
-    return frozenset(key for key, storage_id in latest.items() if storage_id < drop)
+    return frozenset(key for key in keys if latest.get(key, -1) < drop)
 
 
 def table_id(spec: TableSpec, target: str) -> str:

@@ -292,6 +292,33 @@ def test_a_table_dropped_by_the_operator_is_loaded_again_even_if_the_stream_made
         assert harness.tick().run_requests == []
 
 
+def test_a_drop_loads_again_the_ranges_filled_after_the_load_too(config):
+    """A range the table grew into after its load holds rows only the stream wrote: a drop took them too."""
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        first = harness.tick()
+        assert all(harness.run(request).success for request in first.run_requests)
+        harness.tick()
+        loaded = set(harness.keys)
+        with psycopg.connect(config.source.dsn, autocommit=True) as connection:
+            connection.execute(sql.SQL("insert into {} select g, repeat('y', 200) from generate_series(301, 900) g")
+                               .format(sql.Identifier(harness.spec.schema, "items")))
+        with source.connect(config.source.dsn) as connection:
+            requests, _ = snapshot_sensor.partition_requests(instance, connection, [harness.spec])
+        for request in requests:  # what the partitions sensor adds; the stream fills those ranges
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        grown = set(harness.keys) - loaded
+        assert grown
+        target = harness.target()
+        try:
+            target.drop_table(harness.table())
+        finally:
+            target.close()
+        record_drop(instance, harness.key, "the table")
+        again = harness.tick()
+        assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
+
+
 def test_a_settled_table_is_looked_at_again_only_after_its_interval(config):
     with dg.instance_for_test() as instance:
         harness = Harness(config, instance, settled_look_seconds=2.0)
