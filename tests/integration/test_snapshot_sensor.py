@@ -99,6 +99,14 @@ class Harness:
     def target(self):
         return ClickHouseTarget(self.config.targets.clickhouse)
 
+    def drop_at_target(self):
+        """The table dropped at ClickHouse behind Siphon's back (nothing recorded)."""
+        target = self.target()
+        try:
+            target.drop_table(self.table())
+        finally:
+            target.close()
+
     def table(self):
         with source.connect(self.config.source.dsn) as connection:
             return source.table_schema(connection, self.spec.table)
@@ -262,11 +270,7 @@ def test_a_table_missing_at_the_target_is_loaded_again(config):
         first = harness.tick()
         assert all(harness.run(request).success for request in first.run_requests)
         harness.tick()
-        target = harness.target()
-        try:
-            target.drop_table(harness.table())
-        finally:
-            target.close()
+        harness.drop_at_target()
         again = harness.tick()
         assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
         assert {r.tags[LOAD_TAG] for r in again.run_requests} != {r.tags[LOAD_TAG] for r in first.run_requests}
@@ -309,11 +313,7 @@ def test_a_drop_loads_again_the_ranges_filled_after_the_load_too(config):
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
         grown = set(harness.keys) - loaded
         assert grown
-        target = harness.target()
-        try:
-            target.drop_table(harness.table())
-        finally:
-            target.close()
+        harness.drop_at_target()
         record_drop(instance, harness.key, "the table")
         again = harness.tick()
         assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
@@ -464,11 +464,7 @@ def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(a
         app.wait_for_events(1, "items")
         assert drain(instance) == []  # the table was there: nothing to say
 
-        target = harness.target()
-        try:
-            target.drop_table(harness.table())
-        finally:
-            target.close()
+        harness.drop_at_target()
         app.sql("insert into {schema}.items values (301, 'after the loss')")
         app.wait_for_events(2, "items")
         [observation] = drain(instance)
