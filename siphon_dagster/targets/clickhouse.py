@@ -40,14 +40,16 @@ from siphon_dagster.targets.base import (
     VersionCounts,
 )
 from siphon_dagster.targets.names import TableNames
-from siphon_dagster.targets.sql_dialect import stage_column, staging_names
+from siphon_dagster.targets.sql_dialect import staging_names
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
 from siphon_dagster.targets.type_mapping import clickhouse_type
 
 # Replacing versions is left to merges and to the view's FINAL: the same step run on every inserted
 # block (optimize_on_insert) finds nothing to replace among one snapshot's rows, and costs about a
 # third of the snapshot's insert.
-SNAPSHOT_INSERT_SETTINGS = {"optimize_on_insert": 0}
+# A NULL in a column that holds none (a NOT NULL source column) reads as the type's default,
+# as `insert_from_stage`'s conversion makes it.
+SNAPSHOT_INSERT_SETTINGS = {"optimize_on_insert": 0, "input_format_null_as_default": 1}
 # A folded micro-batch holds each key once: the same holds for its inserts.
 # Batches up to this many bytes of Arrow data are sent as an external table of their statement.
 EXTERNAL_BATCH_MAX_BYTES = 4 << 20
@@ -56,9 +58,8 @@ BATCH_INSERT_SETTINGS = {"optimize_on_insert": 0, "max_insert_threads": 2, "max_
 
 @dataclass(frozen=True)
 class _SnapshotStages:
-    text: str  # where the COPY text is inserted (a Null table)
-    counts: str  # rows that reached it, per block
-    typed: list[tuple[str, str]]  # (target, its stage with the target's structure)
+    columns: list[str]  # what the COPY text's fields are inserted as (`sql.snapshot_input`)
+    typed: list[tuple[str, str]]  # (target, its stage), the first one taking the text
 
 
 class _ClientPerThread:
@@ -347,37 +348,31 @@ class ClickHouseTarget(SqlTarget):
 
     @contextmanager
     def _snapshot_stages(self, names: TableNames, targets: Sequence[str], version: int) -> Iterator[_SnapshotStages]:
-        """A text stage whose materialized views convert into one typed stage per target and count
-        the rows; everything is dropped on the way out."""
+        """A stage per target, the first one taking the COPY text; all are dropped on the way out."""
         base = f"_siphon_stage_{uuid.uuid4().hex}"
-        stages = _SnapshotStages(names.qualified(base), names.qualified(f"{base}_rows"),
-                                 [(target, names.qualified(f"{base}_{i}")) for i, target in enumerate(targets)])
-        views = [names.qualified(f"{base}_count")] + [names.qualified(f"{base}_convert_{i}") for i in range(len(targets))]
-        tables = [stages.text, stages.counts] + [typed for _, typed in stages.typed]
+        typed = [(target, names.qualified(f"{base}_{i}")) for i, target in enumerate(targets)]
+        made: list[str] = []
         try:
-            self._execute(names, "creating a staging table", sql.create_text_stage(stages.text, names.table))
-            self._execute(names, "creating a staging table", sql.create_counted_rows(stages.counts))
-            self._execute(names, "creating a staging view", sql.count_text_rows(views[0], stages.text, stages.counts))
-            for (target, typed), view in zip(stages.typed, views[1:], strict=True):
-                self._execute(names, "creating a staging table", sql.create_typed_stage(typed, target))
-                self._execute(names, "creating a staging view",
-                              *sql.convert_text_stage(view, stages.text, base, typed, names.table, version))
-            yield stages
+            for target, stage in typed:
+                self._execute(names, "creating a staging table", sql.create_snapshot_stage(stage, target))
+                made.append(stage)
+            reading = sql.snapshot_input(typed[0][1], names.table, version)
+            self._execute(names, "preparing a staging table", reading.alteration)
+            yield _SnapshotStages(reading.columns, typed)
         except BaseException:
             # A load cut off mid-stream leaves its session busy at the server for a moment: the
             # clean-up below then runs in a new session instead of failing on the locked one.
             self.close()
             raise
         finally:
-            for view in views:
-                self._execute(names, "dropping a staging view", f"DROP VIEW IF EXISTS {view}")
-            for table in tables:
-                self._execute(names, "dropping a staging table", f"DROP TABLE IF EXISTS {table}")
+            for stage in made:
+                self._execute(names, "dropping a staging table", f"DROP TABLE IF EXISTS {stage}")
 
     def _load_snapshot(self, names: TableNames, chunks: Iterable[bytes], version: int, targets: Sequence[str]) -> int:
-        """The text streams into a Null table whose materialized views convert it, once, into a
-        stage per target with the target's own structure; when every row is there the stages'
-        parts are attached to the targets. Nothing of a partial load is ever applied."""
+        """The text streams into a stage with the first target's structure, converted as it is
+        parsed (`sql.snapshot_input`), and is copied from there into the other targets' stages;
+        when every row is there the stages' parts are attached to the targets. Nothing of a
+        partial load is ever applied."""
         sent = {"rows": 0, "unterminated": False}
 
         def counted() -> Iterator[bytes]:
@@ -388,21 +383,24 @@ class ClickHouseTarget(SqlTarget):
                     sent["unterminated"] = not chunk.endswith(b"\n")
                     yield chunk
 
-        columns = [stage_column(i) for i in range(len(names.table.columns))]
         with self._snapshot_stages(names, targets, version) as stages:
+            first = stages.typed[0][1]
             try:
                 # PostgreSQL's COPY text escapes (\b \f \n \r \t \v \\ and \N for NULL) are the
                 # escapes ClickHouse's TabSeparated reads, so the bytes need no rewriting.
-                self._connect().raw_insert(stages.text, columns, insert_block=counted(), fmt="TabSeparated",
+                self._connect().raw_insert(first, stages.columns, insert_block=counted(), fmt="TabSeparated",
                                            settings=SNAPSHOT_INSERT_SETTINGS)
             except ClickHouseError as error:
                 raise TargetError(names.describe(f"loading COPY text failed: {error}")) from error
             expected = sent["rows"] + (1 if sent["unterminated"] else 0)
-            staged = int(self._fetch(names, "counting staged rows",
-                                     f"SELECT sum({sql.quote(sql.COUNTED_ROWS)}) FROM {stages.counts}")[0][0])
+            # Rows of one snapshot have distinct keys and one version, so no merge of the stage
+            # can have collapsed any: its count is what arrived.
+            staged = int(self._fetch(names, "counting staged rows", f"SELECT count() FROM {first}")[0][0])
             if staged != expected:
                 # A transport retry could resend only the rest of a stream: never apply a partial load.
                 raise TargetError(names.describe(f"staged {staged} rows of {expected} sent; the snapshot must be retried"))
+            for _, stage in stages.typed[1:]:
+                self._execute(names, "copying a staged snapshot", sql.copy_stage(stage, first, names.table))
             typed_of = dict(stages.typed)
             self._write_each(names, targets, lambda target: self._execute(
                 names, "applying a snapshot", sql.attach_stage(target, typed_of[target])))

@@ -1,5 +1,5 @@
 """ClickHouse's dialect: its spellings of the shared statements (`sql_dialect`) and the statements
-only it runs (the snapshot's text stage, attaching parts, the version rule's INSERT).
+only it runs (the snapshot's stage, attaching parts, the version rule's INSERT).
 
 Identifiers always go through `quote`. Values are server-side parameters (`{name:Type}`), never
 text spliced into SQL, except a DEFAULT in DDL, which takes no parameters (`backfill_default`).
@@ -8,6 +8,7 @@ text spliced into SQL, except a DEFAULT in DDL, which takes no parameters (`back
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from clickhouse_connect.driver.binding import escape_str, format_query_value
@@ -25,7 +26,6 @@ from siphon_dagster.targets.sql_dialect import STAGE_DELETED, STAGE_VERSION, Bin
 from siphon_dagster.targets.type_mapping import TargetType, clickhouse_type, mapping_for
 
 NOW = "now64(6, 'UTC')"
-COUNTED_ROWS = "rows"
 
 
 def quote(identifier: str) -> str:
@@ -170,44 +170,58 @@ def backfill_default(column: SourceColumn, text: str | None) -> str:
     return f" DEFAULT {mapping_for(column).clickhouse.convert(format_query_value(text))}"
 
 
-def create_text_stage(stage: str, table: TableSchema) -> str:
-    """Where a snapshot's COPY text is inserted: a Null table keeps nothing, its materialized views
-    convert each block as it is parsed, so the text is read once and never stored."""
-    columns = [f"{quote(stage_column(i))} Nullable(String)" for i in range(len(table.columns))]
-    return f"CREATE TABLE {stage} ({', '.join(columns)}) ENGINE = Null"
-
-
-def create_typed_stage(stage: str, target: str) -> str:
+def create_snapshot_stage(stage: str, target: str) -> str:
     """A table with exactly the target's structure and engine, so that its parts can be attached
     to the target as they are: the snapshot's rows are converted and written once."""
     return f"CREATE TABLE {stage} AS {target}"
 
 
-def create_counted_rows(counts: str) -> str:
-    return f"CREATE TABLE {counts} ({quote(COUNTED_ROWS)} UInt64) ENGINE = MergeTree ORDER BY tuple()"
+@dataclass(frozen=True)
+class SnapshotInput:
+    """How a snapshot stage takes a range's COPY text as it is sent."""
+
+    columns: list[str]  # what each field of a line is inserted as, in the source's column order
+    alteration: str  # the ALTER TABLE that makes a stage made by `create_snapshot_stage` take them
 
 
-def count_text_rows(view: str, text_stage: str, counts: str) -> str:
-    """Counts the rows that reached the text stage, block by block (a typed stage's merges may
-    collapse identical rows of a keyless table, so its own count would not tell)."""
-    return f"CREATE MATERIALIZED VIEW {view} TO {counts} AS SELECT count() AS {quote(COUNTED_ROWS)} FROM {text_stage}"
+def snapshot_input(stage: str, table: TableSchema, version: int) -> SnapshotInput:
+    """A field whose text ClickHouse's TabSeparated reads as its column's type (integers, text)
+    is inserted into that column. Any other is inserted into an EPHEMERAL text column, from which
+    the stored column's DEFAULT converts it with `insert_from_stage`'s expression; Siphon's own
+    columns default to the snapshot's version and now (the delete flag, whose
+    DEFAULT ReplacingMergeTree does not let change, is 0 as a UInt8 without one).
+
+    EPHEMERAL columns are never stored, so the stage keeps the target's structure and its parts
+    can still be attached. The text is parsed once, straight into a MergeTree: no staging table
+    and view around it. DDL takes no parameters: the version is spliced in as digits."""
+    taken = set(table.column_names)
+    columns: list[str] = []
+    clauses: list[str] = []
+    for i, column in enumerate(table.columns):
+        if mapping_for(column).clickhouse.reads_copy_text:
+            columns.append(column.name)
+            continue
+        text = _unused_name(f"_siphon_text_{i}", taken)
+        columns.append(text)
+        clauses.append(f"ADD COLUMN {quote(text)} Nullable(String) EPHEMERAL")
+        clauses.append(f"MODIFY COLUMN {quote(column.name)} DEFAULT {_converted(column, quote(text))}")
+    clauses += [f"MODIFY COLUMN {quote(VERSION_COLUMN)} DEFAULT toUInt128('{int(version)}')",
+                f"MODIFY COLUMN {quote(SYNCED_AT_COLUMN)} DEFAULT {NOW}"]
+    return SnapshotInput(columns, f"ALTER TABLE {stage} {', '.join(clauses)}")
 
 
-def convert_text_stage(view: str, text_stage: str, text_alias: str, typed_stage: str, table: TableSchema,
-                       version: int) -> Statement:
-    """The snapshot conversion of `insert_from_stage`, as a materialized view from the text stage
-    into a typed stage: every row gets `version`, bound when the view is created.
+def copy_stage(into: str, stage: str, table: TableSchema) -> str:
+    """A second target's stage filled from the first's, by column name: each stage has its own
+    target's structure, which for a resync's table and the live one may differ."""
+    columns = ", ".join(quote(name) for name in [*table.column_names, *dialect.meta_types])
+    return f"INSERT INTO {into} ({columns}) SELECT {columns} FROM {stage}"
 
-    The stage's columns are qualified by `text_alias` (a name no source column has) because the
-    view's aliases are the source's column names, which may be positional names themselves.
-    """
-    bind = dialect.bindings()
-    values = [f"{_converted(c, f'{quote(text_alias)}.{quote(stage_column(i))}')} AS {quote(c.name)}"
-              for i, c in enumerate(table.columns)]
-    values += [f"{bind.version(version)} AS {quote(VERSION_COLUMN)}", f"0 AS {quote(DELETED_COLUMN)}",
-               f"{NOW} AS {quote(SYNCED_AT_COLUMN)}"]
-    return bind.statement(f"CREATE MATERIALIZED VIEW {view} TO {typed_stage} AS SELECT {', '.join(values)} "
-                          f"FROM {text_stage} AS {quote(text_alias)}")
+
+def _unused_name(name: str, taken: set[str]) -> str:
+    while name in taken:
+        name = f"_{name}"
+    taken.add(name)
+    return name
 
 
 def attach_stage(target: str, typed_stage: str) -> str:

@@ -26,6 +26,9 @@ class TargetType:
     from_text: str = "{0}"  # operand: a string expression holding PostgreSQL's text output
     to_text: str = "{0}"  # operand: the stored column; yields PostgreSQL's text output
     native: bool = True
+    # ClickHouse only: its TabSeparated reading of `type` takes PostgreSQL's COPY text of the value
+    # as it is, so a snapshot inserts the field into the column without `from_text`.
+    reads_copy_text: bool = False
 
     def convert(self, text_expression: str) -> str:
         # str.replace rather than str.format: SQL may contain braces of its own.
@@ -74,15 +77,15 @@ type cannot hold:
 - Enums, ranges, multiranges, composite and extension types: text. Domains: as their base type.
 """
 
-CLICKHOUSE_TEXT = TargetType("String", native=False)
+CLICKHOUSE_TEXT = TargetType("String", native=False, reads_copy_text=True)
 SNOWFLAKE_TEXT = TargetType("VARCHAR", native=False)
 
-_CH_BOOL = TargetType("Bool", "({0} = 't')", "CASE WHEN {0} THEN 't' WHEN NOT {0} THEN 'f' END")
+_CH_BOOL = TargetType("Bool", "({0} = 't')", "CASE WHEN {0} THEN 't' WHEN NOT {0} THEN 'f' END", reads_copy_text=True)
 _SF_BOOL = TargetType("BOOLEAN", "({0} = 't')", "CASE WHEN {0} THEN 't' WHEN NOT {0} THEN 'f' END")
 
 
 def _ch_integer(ch_type: str) -> TargetType:
-    return TargetType(ch_type, f"to{ch_type}({{0}})", "toString({0})")
+    return TargetType(ch_type, f"to{ch_type}({{0}})", "toString({0})", reads_copy_text=True)
 
 
 def _sf_number(precision: int) -> TargetType:
@@ -121,7 +124,7 @@ _NATIVE: dict[str, TypeMapping] = {
         ),
         TypeMapping(
             "uuid",
-            TargetType("UUID", "toUUID({0})", "toString({0})"),
+            TargetType("UUID", "toUUID({0})", "toString({0})", reads_copy_text=True),
             SNOWFLAKE_TEXT,
             "ClickHouse UUID prints the same lower-case form; Snowflake has no uuid type",
         ),

@@ -180,8 +180,9 @@ SCENARIOS = [
     ),
     Scenario(
         "versions beyond 64 bits order correctly",
-        [Rows([row(1, "high", 1, (0xFFFFFFFF_FFFFFFFF << 32) | 7)]), Rows([row(1, "low", 2, (0xFFFFFFFF_FFFFFFFF << 32) | 6)])],
-        [("1", "high", "1")],
+        [Rows([row(1, "high", 1, (0xFFFFFFFF_FFFFFFFF << 32) | 7)]), Rows([row(1, "low", 2, (0xFFFFFFFF_FFFFFFFF << 32) | 6)]),
+         Snapshot(b"1\tsnap\t3\n2\tsnap\t4\n", (0xFFFFFFFF_FFFFFFFF << 32) | 5)],
+        [("1", "high", "1"), ("2", "snap", "4")],
         (0xFFFFFFFF_FFFFFFFF << 32) | 7,
     ),
 ]
@@ -300,6 +301,21 @@ def test_resync_through_shadow_keeps_the_view_readable(target: Target, variant: 
     assert target.current_rows_as_text(NOTES) == [("3", "streamed", "4")]
     target.drop_table(NOTES)
     assert target.describe_columns(NOTES) == []
+
+
+def test_a_snapshot_during_a_resync_reaches_the_resync_table_and_the_live_one(target: Target) -> None:
+    # A column the live table got later stays Nullable there, while the resync table, made from the
+    # source's columns, has it NOT NULL: each table gets the snapshot's rows in its own structure.
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "before", 1, 10)]))
+    grown = TableSchema("public", "notes", (*NOTES.columns, SourceColumn("ratio", 701, "double precision", nullable=False)))
+    assert target.ensure_table(grown).added_columns == ["ratio"]
+    target.create_shadow(grown)
+    target.apply_copy_text(grown, iter([b"1\tsnap\t1\t0.5\n2\tsnap\t2\t-Infinity\n"]), 20)
+    expected = [("1", "snap", "1", "0.5"), ("2", "snap", "2", "-Infinity")]
+    assert target.current_rows_as_text(grown) == expected
+    target.swap_shadow(grown)
+    assert target.current_rows_as_text(grown) == expected
 
 
 def test_the_rows_around_a_version_count_tombstones_and_truncates_alike_at_every_target(target: Target) -> None:

@@ -255,3 +255,25 @@ def test_a_third_dialect_writes_only_hooks_and_gets_every_shared_statement() -> 
         'SELECT COUNT(*) FROM "db"."public__Orders_current" WHERE "_siphon_version" < %s::numeric', [3])
     assert third.max_version(names) == 'SELECT MAX("_siphon_version")::text FROM "db"."public__Orders"'
     assert third.key_rows(names, [("eu", "1")]).params == [["eu|1"]]
+
+
+def test_a_clickhouse_snapshot_stage_converts_only_what_its_text_reading_cannot_take() -> None:
+    from siphon_dagster.targets.clickhouse_sql import snapshot_input
+
+    table = TableSchema("public", "t", (
+        SourceColumn("id", 20, "bigint", nullable=False, primary_key=True),
+        SourceColumn("_siphon_text_1", 701, "double precision", nullable=False),  # a name the stage would use
+        SourceColumn("blob", 17, "bytea"),
+        SourceColumn("flag", 16, "boolean"),
+        SourceColumn("at", 1184, "timestamp with time zone"),
+    ))
+    reading = snapshot_input("`s`", table, (1 << 100) + 3)
+    # Integers, booleans and text are read into their columns; the float and the bytes go through
+    # text columns of their own, named apart from every source column.
+    assert reading.columns == ["id", "__siphon_text_1", "_siphon_text_2", "flag", "at"]
+    statement = reading.alteration
+    assert statement.startswith("ALTER TABLE `s` ADD COLUMN `__siphon_text_1` Nullable(String) EPHEMERAL, ")
+    assert "MODIFY COLUMN `_siphon_text_1` DEFAULT ifNull(toFloat64(`__siphon_text_1`), " in statement
+    assert "MODIFY COLUMN `blob` DEFAULT unhex(substring(`_siphon_text_2`, 3))" in statement
+    assert f"MODIFY COLUMN `_siphon_version` DEFAULT toUInt128('{(1 << 100) + 3}')" in statement
+    assert "`flag`" not in statement and "`at`" not in statement and "_siphon_deleted" not in statement
