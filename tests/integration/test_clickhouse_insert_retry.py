@@ -15,60 +15,41 @@ from urllib.parse import urlparse
 
 import pytest
 
-from siphon_core.config import parse_config
-from siphon_dagster.targets import build_target
-from siphon_dagster.targets.clickhouse import ClickHouseTarget
+from tests.integration.http_proxy import Proxy, clickhouse_target_via
 from tests.integration.test_targets_version_rule import NOTES, batch, row
 
 
-class DroppingProxy:
+class DroppingProxy(Proxy):
     """Forwards HTTP/1.1 requests to `upstream`, one at a time per connection; after
     `drop_next(marker)`, the next request whose request line holds `marker` is read whole and its
     connection closed without a response."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.dropped: list[bytes] = []  # the request lines of the requests dropped
         self._marker: bytes | None = None
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream)
 
     def drop_next(self, marker: bytes) -> None:
         with self._lock:
             self._marker = marker
 
-    def close(self) -> None:
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
-        server = socket.create_connection(self.upstream)
-        threading.Thread(target=_pipe, args=(server, client), daemon=True).start()
+    def forward(self, client: socket.socket, server: socket.socket) -> None:
         pending = b""
-        with client, server:
-            while True:
-                request, pending = _read_request(client, pending)
-                if request is None:
-                    return
-                line = request.split(b"\r\n", 1)[0]
-                with self._lock:
-                    drop = self._marker is not None and self._marker in line
-                    if drop:
-                        self._marker = None
+        while True:
+            request, pending = _read_request(client, pending)
+            if request is None:
+                return
+            line = request.split(b"\r\n", 1)[0]
+            with self._lock:
+                drop = self._marker is not None and self._marker in line
                 if drop:
-                    self.dropped.append(line)
-                    client.shutdown(socket.SHUT_RDWR)
-                    return
-                server.sendall(request)
+                    self._marker = None
+            if drop:
+                self.dropped.append(line)
+                client.shutdown(socket.SHUT_RDWR)
+                return
+            server.sendall(request)
 
 
 def _read_request(client: socket.socket, pending: bytes) -> tuple[bytes | None, bytes]:
@@ -90,14 +71,6 @@ def _read_request(client: socket.socket, pending: bytes) -> tuple[bytes | None, 
     return head + b"\r\n\r\n" + rest[:length], rest[length:]
 
 
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
-    try:
-        while piece := source.recv(1 << 20):
-            sink.sendall(piece)
-    except OSError:
-        pass
-
-
 @pytest.fixture
 def proxy(clickhouse_url: str) -> Iterator[DroppingProxy]:
     url = urlparse(clickhouse_url)
@@ -108,13 +81,7 @@ def proxy(clickhouse_url: str) -> Iterator[DroppingProxy]:
 
 def test_a_batch_whose_connection_the_server_closed_unanswered_is_sent_again_once(proxy: DroppingProxy,
                                                                                   unique_name: str) -> None:
-    config = parse_config({
-        "application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"},
-        "tables": [{"name": "public.t"}],
-        "targets": {"clickhouse": {"url": f"http://127.0.0.1:{proxy.port}", "database": unique_name}},
-    })
-    target = build_target("clickhouse", config)
-    assert isinstance(target, ClickHouseTarget)
+    target = clickhouse_target_via(proxy, unique_name)
     try:
         target.ensure_table(NOTES)
         target.apply_rows(NOTES, batch(NOTES, [row(1, "first", 1, 10)]))  # the landing exists from here on

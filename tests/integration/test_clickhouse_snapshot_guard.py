@@ -9,48 +9,27 @@ target compares the stage's rows with the lines it sent and must refuse the rang
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import pytest
 
-from siphon_core.config import parse_config
-from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TargetError
-from siphon_dagster.targets.clickhouse import ClickHouseTarget
-from tests.integration.test_clickhouse_insert_retry import _pipe
+from tests.integration.http_proxy import Proxy, clickhouse_target_via
 from tests.integration.test_targets_version_rule import NOTES, batch, row
 
 
-class ChunkDroppingProxy:
+class ChunkDroppingProxy(Proxy):
     """Forwards every request to `upstream` as it comes, except that the second chunk of a chunked
     body whose request line holds `marker` is left out."""
 
     def __init__(self, upstream: tuple[str, int], marker: bytes) -> None:
-        self.upstream = upstream
         self.marker = marker
         self.dropped_chunks = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream)
 
-    def close(self) -> None:
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
-        server = socket.create_connection(self.upstream)
-        threading.Thread(target=_pipe, args=(server, client), daemon=True).start()
-        reader = client.makefile("rb")
-        with client, server, reader:
+    def forward(self, client: socket.socket, server: socket.socket) -> None:
+        with client.makefile("rb") as reader:
             while head := _read_head(reader):
                 server.sendall(head)
                 fields = [line.lower() for line in head.split(b"\r\n")[1:]]
@@ -97,13 +76,7 @@ def proxy(clickhouse_url: str) -> Iterator[ChunkDroppingProxy]:
 
 def test_a_snapshot_range_that_reached_the_server_short_is_refused_and_nothing_of_it_applied(
         proxy: ChunkDroppingProxy, unique_name: str) -> None:
-    config = parse_config({
-        "application_identifier": "test", "source": {"dsn": "postgresql://x@127.0.0.1/x"},
-        "tables": [{"name": "public.t"}],
-        "targets": {"clickhouse": {"url": f"http://127.0.0.1:{proxy.port}", "database": unique_name}},
-    })
-    target = build_target("clickhouse", config)
-    assert isinstance(target, ClickHouseTarget)
+    target = clickhouse_target_via(proxy, unique_name)
     try:
         target.ensure_table(NOTES)
         target.apply_rows(NOTES, batch(NOTES, [row(1, "streamed", 1, 10)]))
