@@ -23,9 +23,11 @@ def fill(spool: _Spool, chunks: list[bytes], error: BaseException | None = None)
     return thread
 
 
-def test_the_loader_gets_every_chunk_whole_and_in_order(tmp_path) -> None:
+# Every chunk in the file, some in memory and some in the file as the lead comes and goes, all in memory.
+@pytest.mark.parametrize("memory_bytes", [0, 20_000, 1 << 30])
+def test_the_loader_gets_every_chunk_whole_and_in_order(tmp_path, memory_bytes: int) -> None:
     chunks = [bytes([i % 256]) * (1 + i * 37 % 5000) for i in range(500)]
-    spool = _Spool(str(tmp_path), max_ahead_bytes=1 << 30)
+    spool = _Spool(str(tmp_path), max_ahead_bytes=1 << 30, memory_bytes=memory_bytes)
     writer = fill(spool, chunks)
     assert list(spool.chunks()) == chunks
     writer.join(5)
@@ -40,6 +42,17 @@ def test_the_reader_stays_at_most_max_ahead_bytes_in_front(tmp_path) -> None:
     taken = list(spool.chunks())
     assert len(taken) == 10
     writer.join(5)
+    spool.close()
+
+
+def test_only_the_lead_beyond_the_memory_bound_goes_to_the_file(tmp_path) -> None:
+    spool = _Spool(str(tmp_path), max_ahead_bytes=1 << 30, memory_bytes=2500)
+    fill(spool, [b"x" * 1000] * 10).join(5)  # nothing taken yet: a lead of 10,000 bytes
+    assert (spool._in_memory, spool._file_size) == (2000, 8000)
+    taken = spool.chunks()
+    assert [next(taken), next(taken)] == [b"x" * 1000] * 2
+    assert spool._in_memory == 0  # the memory went with the chunks; the file holds the rest
+    assert list(taken) == [b"x" * 1000] * 8
     spool.close()
 
 
