@@ -4,9 +4,9 @@ A range's read holds a temporary slot (which holds back the source's vacuum hori
 table's ACCESS SHARE lock (which makes any ALTER TABLE wait, and every query queued behind that
 ALTER with it). Loading straight from the COPY would keep both for as long as the target takes,
 minutes for a slow warehouse. Here a reader thread hands the COPY text on through memory and an
-unlinked temporary file, and releases the slot and the transaction the moment the COPY ends, while the loader reads
-the same chunks back behind it: the source waits only for its own COPY, and the read and the load
-still overlap. The reader runs at most `max_ahead_bytes` ahead of the loader (then it waits, as it
+unlinked temporary file, and releases the slot and the transaction the moment the COPY ends, while
+the loader takes the same chunks behind it: the source waits only for its own COPY, and the read
+and the load still overlap. The reader runs at most `max_ahead_bytes` ahead of the loader (then it waits, as it
 would without a spool). The first `MEMORY_BYTES` of the lead stay in memory, as the chunks the
 reader made; only what is further ahead goes to the file, which grows with it and goes when the
 range is done. A chunk kept in memory is never copied: ten default-size ranges loaded one after
