@@ -36,20 +36,32 @@ order by a.attnum
 # or a generated column rewrites the table, also without any change in the stream.
 # A partitioned table stores no rows: its leaves keep the missing value, the same in each that
 # existed when the column was added.
+# Reads the catalog only, taking no lock on the table: a snapshot runs it while its own transaction
+# holds the table's ACCESS SHARE lock, and an ALTER TABLE queued behind that lock would make any
+# request for the table's lock wait for ever (pg_get_expr given the table's oid opens the table, as
+# pg_partition_tree does; a default refers to no column, so 0 deparses it, and pg_inherits lists
+# a partitioned table's partitions).
 _ADDED_COLUMNS_QUERY = """
 select a.attname, a.atttypid::int, coalesce(leaf.atthasmissing, a.atthasmissing),
        coalesce(leaf.attmissingval::text, a.attmissingval::text), a.attgenerated::text,
-       a.attidentity::text, pg_get_expr(d.adbin, d.adrelid), case when t.typtype = 'd' then t.typdefault end
+       a.attidentity::text, case when a.attgenerated = '' then pg_get_expr(d.adbin, 0) end,
+       case when t.typtype = 'd' then t.typdefault end
 from pg_attribute a
 join pg_class c on c.oid = a.attrelid
 join pg_namespace n on n.oid = c.relnamespace
 join pg_type t on t.oid = a.atttypid
 left join pg_attrdef d on d.adrelid = a.attrelid and d.adnum = a.attnum
 left join lateral (
+    with recursive tree(relid) as (
+        select c.oid where c.relkind = 'p'
+        union all
+        select i.inhrelid from pg_inherits i join tree on i.inhparent = tree.relid
+    )
     select la.atthasmissing, la.attmissingval
-    from pg_partition_tree(c.oid) tree
+    from tree
+    join pg_class lc on lc.oid = tree.relid and lc.relkind = 'r'
     join pg_attribute la on la.attrelid = tree.relid and la.attname = a.attname and not la.attisdropped
-    where c.relkind = 'p' and tree.isleaf and la.atthasmissing
+    where la.atthasmissing
     limit 1
 ) leaf on true
 where n.nspname = %s and c.relname = %s and a.attnum > 0 and not a.attisdropped and a.attname = any(%s)
@@ -142,8 +154,8 @@ def existing_rows_values(connection: psycopg.Connection[Any], schema: str, table
         elif has_missing:
             values[name] = ExistingRowsValue(name, True, single_element_text(missing))
         elif generated:
-            values[name] = ExistingRowsValue(name, False, reason=f"it is generated (GENERATED ALWAYS AS {default} "
-                                                                 "STORED): PostgreSQL computed it for every row")
+            values[name] = ExistingRowsValue(name, False, reason="it is generated (GENERATED ALWAYS AS ... STORED): "
+                                                                 "PostgreSQL computed it for every row")
         elif identity:
             values[name] = ExistingRowsValue(name, False, reason="it is an identity column: PostgreSQL numbered "
                                                                  "every row")
