@@ -99,6 +99,14 @@ class Harness:
     def target(self):
         return ClickHouseTarget(self.config.targets.clickhouse)
 
+    def load_everything(self):
+        """Ticks, runs every load it asks for (each must succeed) and ticks again to see them done;
+        returns the first tick."""
+        first = self.tick()
+        assert all(self.run(request).success for request in first.run_requests)
+        self.tick()
+        return first
+
     def drop_at_target(self):
         """The table dropped at ClickHouse behind Siphon's back (nothing recorded)."""
         target = self.target()
@@ -267,9 +275,7 @@ def test_a_partition_that_succeeds_on_retry_completes_the_load(config):
 def test_a_table_missing_at_the_target_is_loaded_again(config):
     with dg.instance_for_test() as instance:
         harness = Harness(config, instance)
-        first = harness.tick()
-        assert all(harness.run(request).success for request in first.run_requests)
-        harness.tick()
+        first = harness.load_everything()
         harness.drop_at_target()
         again = harness.tick()
         assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
@@ -279,9 +285,7 @@ def test_a_table_missing_at_the_target_is_loaded_again(config):
 def test_a_table_dropped_by_the_operator_is_loaded_again_even_if_the_stream_made_it_anew(config):
     with dg.instance_for_test() as instance:
         harness = Harness(config, instance)
-        first = harness.tick()
-        assert all(harness.run(request).success for request in first.run_requests)
-        harness.tick()
+        harness.load_everything()
         target = harness.target()
         try:
             target.drop_table(harness.table())
@@ -300,9 +304,7 @@ def test_a_drop_loads_again_the_ranges_filled_after_the_load_too(config):
     """A range the table grew into after its load holds rows only the stream wrote: a drop took them too."""
     with dg.instance_for_test() as instance:
         harness = Harness(config, instance)
-        first = harness.tick()
-        assert all(harness.run(request).success for request in first.run_requests)
-        harness.tick()
+        harness.load_everything()
         loaded = set(harness.keys)
         with psycopg.connect(config.source.dsn, autocommit=True) as connection:
             connection.execute(sql.SQL("insert into {} select g, repeat('y', 200) from generate_series(301, 900) g")
@@ -457,9 +459,7 @@ def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(a
     with dg.instance_for_test() as instance:
         # The presence check is minutes away, and a settled table is looked at every tick here.
         harness = Harness(config, instance, table_check_seconds=600, settled_look_seconds=0)
-        first = harness.tick()
-        assert all(harness.run(request).success for request in first.run_requests)
-        harness.tick()
+        harness.load_everything()
         app.sql("update {schema}.items set body = 'changed' where id = 1")
         app.wait_for_events(1, "items")
         assert drain(instance) == []  # the table was there: nothing to say
