@@ -6,8 +6,8 @@ ALTER with it). Loading straight from the COPY would keep both for as long as th
 minutes for a slow warehouse. Here a reader thread hands the COPY text on through memory and an
 unlinked temporary file, and releases the slot and the transaction the moment the COPY ends, while
 the loader takes the same chunks behind it: the source waits only for its own COPY, and the read
-and the load still overlap. The reader runs at most `max_ahead_bytes` ahead of the loader (then it waits, as it
-would without a spool). The first `MEMORY_BYTES` of the lead stay in memory, as the chunks the
+and the load still overlap. The reader runs at most `max_ahead_bytes` ahead of the loader (then it
+waits, as it would without a spool). The first `MEMORY_BYTES` of the lead stay in memory, as the chunks the
 reader made; only what is further ahead goes to the file, which grows with it and goes when the
 range is done. A chunk kept in memory is never copied: ten default-size ranges loaded one after
 another into the embedded ClickHouse took 7 - 10% less time than through the file.
@@ -118,7 +118,7 @@ class _Spool:
                     return
                 entry, self._entries[index] = self._entries[index], None
             in_memory = isinstance(entry, bytes)
-            chunk = entry if isinstance(entry, bytes) else os.pread(self._fd, entry[1], entry[0])
+            chunk = entry if in_memory else os.pread(self._fd, entry[1], entry[0])  # type: ignore[index]
             index += 1
             with self._changed:
                 self._taken += len(chunk)
