@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from siphon_core.wire import fields
+from siphon_core.wire.byte_copy import copy_bytes
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.packages import parse_package
 
@@ -456,7 +457,7 @@ def _gather_spans_into(data, starts, lengths, out, offsets, first_span):  # prag
     position = offsets[first_span]
     for i in range(starts.shape[0]):
         length = lengths[i]
-        out[position:position + length] = data[starts[i]:starts[i] + length]
+        copy_bytes(out, position, data, starts[i], length)
         position += length
         offsets[first_span + 1 + i] = position
 
@@ -469,5 +470,5 @@ def _gather_spans(data, starts, lengths):  # pragma: no cover - compiled
         offsets[i + 1] = offsets[i] + lengths[i]
     out = np.empty(offsets[count], np.uint8)
     for i in range(count):
-        out[offsets[i]:offsets[i + 1]] = data[starts[i]:starts[i] + lengths[i]]
+        copy_bytes(out, offsets[i], data, starts[i], lengths[i])
     return offsets, out

@@ -22,6 +22,7 @@ import numba
 import numpy as np
 import pyarrow as pa
 
+from siphon_core.wire.byte_copy import copy_bytes
 from siphon_core.wire.tuple_data import BINARY, NULL, TEXT, UNCHANGED, TupleDataError
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -224,8 +225,7 @@ def _gather_values(data, offsets, present, rows, column_count, slots, width):  #
             for column in range(column_count):
                 length, following = _step(data, pos)
                 if slots[column] >= 0 and length > 0:
-                    at = bases[slots[column]] + sizes[slots[column], i]
-                    out[at:at + length] = data[pos + 5:following]
+                    copy_bytes(out, bases[slots[column]] + sizes[slots[column], i], data, pos + 5, length)
                 pos = following
     return sizes, out, bases, valid
 
@@ -271,10 +271,8 @@ def _gather_keys(data, offsets, present, column_count, wanted, width):  # pragma
             out[at + 1] = width & 0xFF
             at += 2
             for j in range(width):
-                start, size = spans[row, j, 0], spans[row, j, 1]
-                for k in range(size):
-                    out[at + k] = data[start + k]
-                at += size
+                copy_bytes(out, at, data, spans[row, j, 0], spans[row, j, 1])
+                at += spans[row, j, 1]
     return sizes, out, valid
 
 
