@@ -11,7 +11,7 @@ Folding parts first is exact: the latest change of a key is the latest of its pa
 changes.
 
 Keys are dictionary-encoded first, so the sort compares integers, never the key bytes. Pieces are
-merged by looking up one piece's keys in the other's, so that only rows a newer copy replaces are
+merged by folding their keys and versions alone, so that only rows a newer copy replaces are
 dropped and nothing is copied when the pieces share no key.
 
 The latest row's unchanged TOASTed values are filled afterwards from the batch's history of the
@@ -48,45 +48,44 @@ def latest_indices(changes: pa.Table, truncated_at: int | None = None) -> np.nda
     keys = changes.column("_key")
     if candidates.size != changes.num_rows:
         keys = keys.take(pa.array(candidates))
-    keys = keys.combine_chunks().dictionary_encode().indices
-    key_ids = keys.to_numpy()
-    # Ascending by key, then version: the last row of each key is its latest change.
-    order = np.lexsort((positions[candidates], lsns[candidates], key_ids))
+    return candidates[_last_of_each_key(keys, lsns[candidates], positions[candidates])]
+
+
+def _last_of_each_key(keys: pa.ChunkedArray, lsns: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Indices of each key's greatest (LSN, position); of equal ones, the last."""
+    key_ids = keys.combine_chunks().dictionary_encode().indices.to_numpy()
+    # Ascending by key, then version (a stable sort): the last row of each key is its latest change.
+    order = np.lexsort((positions, lsns, key_ids))
     sorted_ids = key_ids[order]
     last = np.empty(order.size, bool)
     last[-1] = True
     np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=last[:-1])
-    return candidates[order[last]]
+    return order[last]
 
 
 def merge_pieces(pieces: Sequence[pa.Table]) -> pa.Table:
     """The latest row of each key among pieces that each hold a key at most once (folded, without
-    TRUNCATE rows), in the layout of the pieces."""
+    TRUNCATE rows), in the layout of the pieces; of two rows of a key with one version, the later
+    piece's.
+
+    The keys and versions of all pieces are folded at once, as a task's changes are, and each
+    piece is then filtered once, if a later copy replaced any of its rows: merging two pieces at a
+    time filtered the merged rows, every value of them, again at each step."""
     pieces = [piece for piece in pieces if piece.num_rows]
     if not pieces:
         raise ValueError("merge_pieces needs at least one non-empty piece")
-    merged = pieces[0]
-    for piece in pieces[1:]:
-        merged = _merge_two(merged, piece)
-    return merged
-
-
-def _merge_two(first: pa.Table, second: pa.Table) -> pa.Table:
-    # For each row of `second`, the row of `first` with the same key (null when there is none).
-    found = pc.index_in(second.column("_key"), value_set=first.column("_key").combine_chunks())
-    shared_second = np.flatnonzero(found.is_valid().to_numpy(zero_copy_only=False))
-    if not shared_second.size:
-        return pa.concat_tables([first, second])
-    shared_first = found.drop_null().to_numpy().astype(np.int64)
-    lsn_first, position_first = _numpy(first.column("_lsn"))[shared_first], _numpy(first.column("_pos"))[shared_first]
-    lsn_second, position_second = (_numpy(second.column("_lsn"))[shared_second],
-                                    _numpy(second.column("_pos"))[shared_second])
-    second_newer = (lsn_second > lsn_first) | ((lsn_second == lsn_first) & (position_second >= position_first))
-    keep_first = np.ones(first.num_rows, bool)
-    keep_first[shared_first[second_newer]] = False
-    keep_second = np.ones(second.num_rows, bool)
-    keep_second[shared_second[~second_newer]] = False
-    return pa.concat_tables([_kept(first, keep_first), _kept(second, keep_second)])
+    if len(pieces) == 1:
+        return pieces[0]
+    keys = pa.chunked_array([chunk for piece in pieces for chunk in piece.column("_key").chunks])
+    lsns = np.concatenate([_numpy(piece.column("_lsn")) for piece in pieces])
+    positions = np.concatenate([_numpy(piece.column("_pos")) for piece in pieces])
+    keep = np.zeros(lsns.size, bool)
+    keep[_last_of_each_key(keys, lsns, positions)] = True
+    kept, start = [], 0
+    for piece in pieces:
+        kept.append(_kept(piece, keep[start:start + piece.num_rows]))
+        start += piece.num_rows
+    return pa.concat_tables(kept)
 
 
 def _kept(rows: pa.Table, keep: np.ndarray) -> pa.Table:

@@ -253,3 +253,15 @@ def test_the_as_sent_rows_of_many_packages_make_one_part_with_the_rows_of_each()
     # The same rows, each with its own package's sequence, and the same changes located from them.
     assert rows([gathered, *others]) == rows(one_by_one)
     assert locate_changes([gathered, *others], SPEC).changes.num_rows == locate_changes(one_by_one, SPEC).changes.num_rows
+
+
+def test_of_two_copies_of_a_key_with_one_version_the_later_piece_wins():
+    def piece(keys, lsn, value):
+        return pa.table({"_key": pa.array([k.encode() for k in keys], pa.binary()),
+                         "_lsn": pa.array([lsn] * len(keys), pa.int64()), "_pos": pa.array([1] * len(keys), pa.int64()),
+                         "c0": pa.array([value.encode()] * len(keys), pa.binary())})
+
+    merged = merge_pieces([piece(["a", "b"], 7, "first"), piece(["b", "c"], 7, "second"), piece(["c"], 6, "third")])
+
+    assert sorted((row["_key"], row["c0"]) for row in merged.to_pylist()) == [
+        (b"a", b"first"), (b"b", b"second"), (b"c", b"second")]
