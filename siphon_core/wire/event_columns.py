@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from siphon_core.wire import fields
-from siphon_core.wire.byte_copy import copy_bytes
 from siphon_core.wire import siphon_pb2 as pb
+from siphon_core.wire.byte_copy import copy_bytes
 from siphon_core.wire.packages import parse_package
 
 # A summary counts operations 0..14 by value; slot 15 holds every other value.
