@@ -5,6 +5,10 @@ shapes and copies through a generic element loop: about 35 ns for each of the 10
 a TupleData holds, which made copying a row's values out twice the cost of finding them. This is
 LLVM's `memcpy` on the arrays' data, behind a bounds check that raises instead of writing outside
 either array.
+
+numba's cache of a compiled loop looks only at the loop's own file: after a change here, the
+callers' cache entries (`tuple_columns`, `event_columns`) stay as they were until those files
+change too, so touch them.
 """
 
 from __future__ import annotations
