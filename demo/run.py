@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from siphon_stack import stack
 from siphon_stack.process import StackError, free_port, port_accepts, start_process, stop_pid, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+DEMO_SNAPSHOT_RUNS_PER_TARGET = 1
 DEMO_TABLES = [
     {"name": "public.namespaces"},
     {"name": "public.projects"},
@@ -36,6 +36,17 @@ DEMO_TABLES = [
     {"name": "public.notes", "exclude_columns": ["note_html"], "blocks_per_partition": 64},
     {"name": "public.events", "blocks_per_partition": 64},
 ]
+
+
+
+def write_instance_config(path: Path) -> None:
+    """The project's dagster.yaml with one snapshot run at a time per target: the demo's
+    partitions are small, and four snapshot runs beside the two streaming runs would take the
+    demo's memory past what a laptop spares (each run is a Python process of about 270 MB)."""
+    instance = yaml.safe_load((ROOT / "dagster.yaml").read_text())
+    instance["concurrency"]["pools"]["default_limit"] = DEMO_SNAPSHOT_RUNS_PER_TARGET
+    path.write_text("# Written by the demo from the project's dagster.yaml; only the pool limit differs.\n"
+                    + yaml.safe_dump(instance, sort_keys=False))
 
 
 def write_config(path: Path, env: dict[str, str], with_snowflake: bool) -> None:
@@ -96,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         # partitions this one never loaded are loaded.
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir(exist_ok=True)
-        shutil.copy(ROOT / "dagster.yaml", dagster_home / "dagster.yaml")
+        write_instance_config(dagster_home / "dagster.yaml")
         env["DAGSTER_HOME"] = str(dagster_home)
         shell_env = write_shell_env(directory, stack_dir, config_path, dagster_home)
         bin_dir = Path(sys.executable).parent
