@@ -10,8 +10,8 @@
    end of the WAL, as in bench/producer.py. It is stopped, and a `StreamConsumer` (local Spark,
    batches cut by the default batch limits) applies the whole stream into the embedded ClickHouse with
    `stop_when_drained=True`. Apply events/s = events / wall time of that run. The backlog is long
-   enough for several batches (about 280,000 changes each at the default limits), so the figure is
-   the rate of a run in its stride: with two batches, as 500,000 changes make, it is mostly the
+   enough for several batches (about 230,000 changes each at the default limits), so the figure is
+   the rate of a run in its stride: with two batches, as 450,000 changes make, it is mostly the
    first batch, whose Spark work overlaps no write, and the last, whose write overlaps no Spark
    work. The rate in its stride is also printed: the events of the batches after the first over
    the time between the first batch's ack and the last's, the pipeline full, as in a run that
@@ -348,7 +348,8 @@ def publish_backlog(stack, slot: str, changes_wanted: int) -> tuple[int, float, 
     return changes, write_seconds, producer_seconds, producer_cpu
 
 
-def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int, warm_changes: int) -> Backlog:
+def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int, warm_changes: int,
+                limits: StreamingConfig = BACKLOG_BATCHES) -> Backlog:
     dsn = stack.dsn
     create_notes_table(dsn)
     slot = naming.slot_name(APPLICATION)
@@ -358,7 +359,6 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int, w
         connection.execute("alter table notes set (autovacuum_enabled = false)")
         connection.execute(f'create publication "{naming.publication_name(APPLICATION)}" for table notes')
         connection.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
-    limits = BACKLOG_BATCHES
     consumer, target = make_consumer(stack.nats.url, stack.clickhouse_url, dsn, spark, limits)
     if warm_changes:
         # A streaming run is a long-lived process: the timed backlog meets a consumer that has
@@ -644,6 +644,8 @@ def main() -> int:
                         help="producer flush_interval_seconds of the freshness run")
     parser.add_argument("--batch-wait-seconds", type=float, default=FRESH_BATCH_WAIT_SECONDS,
                         help="consumer batch_max_wait_seconds of the freshness run")
+    parser.add_argument("--batch-max-bytes", type=int, default=BACKLOG_BATCHES.batch_max_bytes,
+                        help="streaming.batch_max_bytes of the timed backlog's run (default: a user's)")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     # SIGTERM unwinds like Ctrl-C, so every process started here is stopped on the way out.
@@ -654,7 +656,8 @@ def main() -> int:
             started = time.monotonic()
             spark = get_spark_session(SparkConfig())
             spark_start_seconds = time.monotonic() - started
-            backlog = run_backlog(stack, spark, spark_start_seconds, args.changes, args.warm_changes)
+            backlog = run_backlog(stack, spark, spark_start_seconds, args.changes, args.warm_changes,
+                                  BACKLOG_BATCHES.model_copy(update={"batch_max_bytes": args.batch_max_bytes}))
             fresh = run_freshness(stack, spark, args.steady_rate, args.steady_seconds, args.flush_seconds,
                                   args.batch_wait_seconds)
         finally:
