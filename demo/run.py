@@ -38,7 +38,6 @@ DEMO_TABLES = [
 ]
 
 
-
 def write_instance_config(path: Path) -> None:
     """The project's dagster.yaml with one snapshot run at a time per target: the demo's
     partitions are small, and four snapshot runs beside the two streaming runs would take the
