@@ -123,6 +123,26 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
 
 
+def a_commit_waits_for_the_standby(dsn: str, admin: psycopg.Connection, scratch: sql.Composable) -> bool:
+    """Whether a commit now waits for the (absent) synchronous standby. A session's own setting is
+    not enough: commits wait only once the checkpointer has read the reloaded configuration too,
+    and under load it can lag behind the sessions. The probe writes a row of `scratch` (a table
+    outside the publication) and its commit is let go by cancelling its wait, as the test lets its
+    real commit go later."""
+    with psycopg.connect(dsn, autocommit=True) as probe:
+        pid = probe.info.backend_pid
+        committing = threading.Thread(target=lambda: probe.execute(sql.SQL("insert into {} values (1)").format(scratch)),
+                                      daemon=True)
+        committing.start()
+        committing.join(1.0)
+        if not committing.is_alive():
+            return False  # committed without waiting
+        waiting = admin.execute("select wait_event from pg_stat_activity where pid = %s", (pid,)).fetchone()[0]
+        admin.execute("select pg_cancel_backend(%s)", (pid,))
+        committing.join(10)
+        return waiting == "SyncRep"
+
+
 @pytest.fixture
 def stack(tmp_path, postgres_dsn, nats_url, clickhouse_url, snowflake_env, unique_name):
     """Tables snapshotted into both targets and streamed, a producer running, and a Dagster instance."""
@@ -246,11 +266,15 @@ def test_row_parity_reads_again_a_key_whose_commit_was_in_the_wal_before_the_sou
     try:
         with psycopg.connect(dsn, autocommit=True) as admin, psycopg.connect(dsn, autocommit=True) as writer:
             table = compared_columns(source.table_schema(admin, pairs.table), destination)
+            scratch = sql.Identifier(pairs.schema, "synchronous_commit_probe")
+            admin.execute(sql.SQL("create table {} (x int)").format(scratch))
             admin.execute("alter system set synchronous_standby_names = 'siphon_absent_standby'")
             admin.execute("select pg_reload_conf()")
             try:
                 wait_until(lambda: writer.execute("show synchronous_standby_names").fetchone()[0] != "", 10,
                            "the writer's session taking the new setting")
+                wait_until(lambda: a_commit_waits_for_the_standby(dsn, admin, scratch), 30,
+                           "commits waiting for the standby")
 
                 def insert() -> None:
                     try:
@@ -262,8 +286,9 @@ def test_row_parity_reads_again_a_key_whose_commit_was_in_the_wal_before_the_sou
                 inserting = threading.Thread(target=insert, daemon=True)
                 inserting.start()
                 pid = writer.info.backend_pid
-                wait_until(lambda: admin.execute("select wait_event from pg_stat_activity where pid = %s",
-                                                 (pid,)).fetchone()[0] == "SyncRep", 20, "the commit waiting")
+                wait_until(lambda: errors or admin.execute("select wait_event from pg_stat_activity where pid = %s",
+                                                           (pid,)).fetchone()[0] == "SyncRep", 20, "the commit waiting")
+                assert not errors, errors
                 wait_until(lambda: key in destination.key_rows(table, [key]), 60, "the stream applying the commit")
                 hidden = admin.execute(sql.SQL("select count(*) from {} where left_id = 777").format(
                     sql.Identifier(pairs.schema, pairs.name))).fetchone()[0]
