@@ -1,6 +1,6 @@
 """Many tables: 200 tables of mixed shapes streamed by `dagster dev`, as a user runs it.
 
-    python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1]
+    python bench/many_tables.py [--tables 200] [--rate 2000] [--seconds 120] [--zipf 1.1] [--shapes mixed|varied]
                                 [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
                                 [--idle-packages-per-second N] [--idle-min-age-seconds S] [--apply-threads N]
                                 [--instance-storage sqlite|postgres] [--faults] [--change-tables] [--snowflake]
@@ -8,7 +8,11 @@
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
 rows) and wide (42 columns and a body stored out of line, a tenth of it TOASTed, that updates
-leave unchanged). The producer starts, then `dagster dev` (webserver, daemon, code server): the
+leave unchanged). With --shapes varied a sixth each: those three and, under names with capitals,
+spaces, a hyphen and letters outside ASCII, a table of many types (numeric, uuid, jsonb sometimes
+TOASTed, arrays, interval, bytea, inet, an enum, columns named with capitals and spaces), one with
+a composite primary key, and one partitioned in two. The producer starts, then `dagster dev`
+(webserver, daemon, code server): the
 daemon's streaming sensor starts the streaming runs, one per (target, group), here one run for
 every table. From that moment a writer (one PL/pgSQL call per 100 ms tick, one transaction)
 commits --rate changes/s spread over the tables Zipf-skewed (table k of a shuffled order gets
@@ -134,18 +138,66 @@ end $$
 """
 
 
-def table_names(count: int) -> list[str]:
-    return [f"t{i:03d}" for i in range(count)]
+# --shapes varied: three more shapes, one table in six each, under names a user may well have
+# (capitals, spaces, a hyphen, letters outside ASCII). Every shape keeps `id bigserial` (the
+# writer's and the poller's handle, the first column the comparison keys rows by) and `k int not null`.
+MOOD_TYPE = "create type bench_mood as enum ('sad', 'ok', 'happy')"
+TYPED = """create table {name} (
+    id bigserial primary key, k int not null,
+    "Mixed Case" text default 'Ünïcödé ' || md5(random()::text),
+    "with space" numeric(20,6) default (random() * 1e6)::numeric(20,6),
+    amount numeric default (random() * 1e12)::numeric / 7,
+    uid uuid default gen_random_uuid(),
+    doc jsonb default jsonb_build_object('a', random(), 'list', jsonb_build_array(1, 'two', null),
+        'big', case when random() < 0.05 then repeat(md5(random()::text), 200) else 'small' end),
+    tags text[] default array['x', md5(random()::text), null],
+    nums int[] default array[1, (random() * 100)::int],
+    f8 double precision default random(), f4 real default random()::real,
+    day date default current_date - (random() * 1000)::int, at_time time default localtime,
+    naive timestamp default localtimestamp, span interval default make_interval(secs => random() * 100000),
+    raw bytea default decode(md5(random()::text), 'hex'), addr inet default '10.1.2.3/24',
+    mood bench_mood default 'ok', small smallint default 7, code char(3) default 'ab',
+    flag boolean, nothing text)"""
+COMPOSITE = """create table {name} (
+    id bigserial, "Region" text not null default 'eu-' || (random() * 3)::int, k int not null,
+    v varchar(64) default md5(random()::text), at timestamptz default clock_timestamp(),
+    primary key ("Region", id))"""
+PARTITIONED = """create table {name} (
+    id bigserial primary key, k int not null, v text default md5(random()::text),
+    at timestamptz default clock_timestamp()) partition by range (id)"""
+SHAPES = {"mixed": ("narrow", "notes", "wide"),
+          "varied": ("narrow", "notes", "wide", "typed", "composite", "partitioned")}
+ODD_NAMES = {"typed": "Typed Ü {index:03d}", "composite": "Composite-Key {index:03d}",
+             "partitioned": "Partitioned {index:03d}"}
 
 
-def create_tables(dsn: str, names: list[str]) -> None:
+def shape_of(index: int, shapes: str) -> str:
+    kinds = SHAPES[shapes]
+    return kinds[index % len(kinds)]
+
+
+def table_names(count: int, shapes: str = "mixed") -> list[str]:
+    return [ODD_NAMES.get(shape_of(i, shapes), "t{index:03d}").format(index=i) for i in range(count)]
+
+
+def create_tables(dsn: str, names: list[str], shapes: str = "mixed") -> None:
     with psycopg.connect(dsn, autocommit=True) as connection:
+        if shapes == "varied":
+            connection.execute(MOOD_TYPE)
         for index, name in enumerate(names):
-            shape = index % 3
-            ddl = NARROW.format(name=name) if shape == 0 else NOTES.format(name=name) if shape == 1 else wide_ddl(name)
-            connection.execute(ddl)
-            if shape == 2:
-                connection.execute(f"alter table {name} alter column body set storage external")
+            shape = shape_of(index, shapes)
+            quoted = sql.Identifier(name).as_string(connection)
+            if shape == "wide":
+                connection.execute(wide_ddl(quoted))
+                connection.execute(f"alter table {quoted} alter column body set storage external")
+            elif shape == "partitioned":
+                connection.execute(PARTITIONED.format(name=quoted))
+                for part, bounds in enumerate(("minvalue) to (500", "500) to (maxvalue")):
+                    connection.execute(f"create table {sql.Identifier(f'{name} p{part}').as_string(connection)} "
+                                       f"partition of {quoted} for values from ({bounds})")
+            else:
+                ddl = {"narrow": NARROW, "notes": NOTES, "typed": TYPED, "composite": COMPOSITE}[shape]
+                connection.execute(ddl.format(name=quoted))
         connection.execute(TICK_FUNCTION)
 
 
@@ -241,8 +293,9 @@ class Poller:
     CPU, a seventh of a core at two polls a second, which the benchmark would take from the
     pipeline it measures."""
 
-    def __init__(self, clickhouse_url: str) -> None:
+    def __init__(self, clickhouse_url: str, names: list[str]) -> None:
         host, port = clickhouse_url.rsplit("//", 1)[1].split(":")
+        self._tables = [naming.target_table_name("public", name) for name in names]
         self._client = clickhouse_connect.get_client(host=host, port=int(port))
         self.polls: list[tuple[float, dict[str, int]]] = []
         self.visible: dict[str, int] = {}
@@ -257,13 +310,16 @@ class Poller:
             while not self._stop.wait(POLL_SECONDS):
                 blocks = self._client.query(
                     "SELECT table, max(max_block_number) FROM system.parts WHERE database = {d:String} AND active "
-                    "AND match(table, '^public__t[0-9]+$') GROUP BY table", parameters={"d": DATABASE}).result_rows
+                    "AND has({t:Array(String)}, table) GROUP BY table",
+                    parameters={"d": DATABASE, "t": self._tables}).result_rows
                 changed = [table for table, block in blocks if self._blocks.get(table) != block]
                 seen = dict(self.visible)
                 if changed:
-                    union = " UNION ALL ".join(f"SELECT '{table}', max(id) FROM `{DATABASE}`.`{table}`"
-                                               for table in changed)
-                    for table, top in self._client.query(union).result_rows:
+                    union = " UNION ALL ".join(f"SELECT {{t{i}:String}}, max(id) FROM `{DATABASE}`.{{n{i}:Identifier}}"
+                                               for i in range(len(changed)))
+                    parameters = {**{f"t{i}": table for i, table in enumerate(changed)},
+                                  **{f"n{i}": table for i, table in enumerate(changed)}}
+                    for table, top in self._client.query(union, parameters=parameters).result_rows:
                         seen[table.removeprefix("public__")] = int(top)
                     self._blocks.update(blocks)
                 returned = time.time()
@@ -636,6 +692,10 @@ def main() -> int:
     parser.add_argument("--tables", type=int, default=200)
     parser.add_argument("--rate", type=float, default=2000.0, help="changes per second over all tables")
     parser.add_argument("--seconds", type=float, default=120.0, help="steady phase once every table streams")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="mixed",
+                        help="mixed: narrow, notes-shaped and wide tables; varied: those and, under names with "
+                             "capitals, spaces and letters outside ASCII, tables of many types, with a composite "
+                             "key, and partitioned")
     parser.add_argument("--zipf", type=float, default=1.1, help="skew s: table k gets changes in proportion to 1/k^s")
     parser.add_argument("--batch-wait-seconds", type=float, default=1.0,
                         help="streaming.batch_max_wait_seconds: how long a batch collects after its first message")
@@ -668,7 +728,7 @@ def main() -> int:
                         help="also replicate every table to Snowflake (a fakesnow server started here; a second "
                              "streaming run); freshness is ClickHouse's, and rows are compared at both targets")
     args = parser.parse_args()
-    names = table_names(args.tables)
+    names = table_names(args.tables, args.shapes)
     load_before = os.getloadavg()[0]
     bin_dir = Path(sys.executable).parent
     with services(nats=True, clickhouse=True) as stack:
@@ -688,7 +748,7 @@ def main() -> int:
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
                      args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups,
                      args.idle_packages_per_second, snowflake, args.idle_min_age_seconds, args.apply_threads)
-        create_tables(stack.dsn, names)
+        create_tables(stack.dsn, names, args.shapes)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
         shutil.copy(ROOT / "dagster.yaml", dagster_home / "dagster.yaml")
@@ -701,7 +761,7 @@ def main() -> int:
                                                      str(config_path)], directory / "producer.log", env=env)
         dagster_pid = None
         writer = Writer(stack.dsn, names, args.rate, args.zipf)
-        poller = Poller(stack.clickhouse_url)
+        poller = Poller(stack.clickhouse_url, names)
         samples: list[tuple[float, float, int]] = []
         try:
             def producing() -> bool:
@@ -836,7 +896,7 @@ def main() -> int:
     p95 = statistics.quantiles(fresh, n=20)[-1] if len(fresh) >= 20 else float("nan")
     p50 = statistics.median(fresh) if fresh else float("nan")
     figures = {
-        "tables": args.tables, "rate": args.rate, "instance_storage": args.instance_storage,
+        "tables": args.tables, "shapes": args.shapes, "rate": args.rate, "instance_storage": args.instance_storage,
         "achieved_rate": achieved_rate,
         "rss_mb": peak_rss, "processes": peak_processes, "freshness_p50_s": p50, "freshness_p95_s": p95,
         "all_streaming_s": all_streaming if all_streaming is not None else float("nan"),
