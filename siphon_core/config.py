@@ -369,8 +369,10 @@ class SnowflakeTargetConfig(_Model):
     protocol: str | None = None
     # -- loading through a stage --
     # Batches of at least this many rows travel as Parquet files through a temporary stage and a
-    # COPY INTO; smaller ones (where a PUT and a COPY cost more than they save) as INSERT ... VALUES.
-    stage_min_rows: int = Field(default=1000, ge=0)
+    # COPY INTO; smaller ones as the VALUES of their MERGE (one statement, where a PUT and a COPY
+    # cost more than they save). A multi-row INSERT, the slowest way into a warehouse, is left for
+    # a role that may not create a stage and for tables too wide for a VALUES of that many rows.
+    stage_min_rows: int = Field(default=100, ge=0)
     # Where Parquet files wait for their PUT (None: the system's temporary directory).
     stage_directory: str | None = None
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 from snowflake.connector.errors import ProgrammingError
 
+from siphon_core.config import SnowflakeTargetConfig
 from siphon_dagster.targets import snowflake_stage
 from siphon_dagster.targets.base import SourceColumn, TableSchema, TargetError, change_batch_schema
 from siphon_dagster.targets.snowflake import SnowflakeTarget
@@ -84,33 +85,31 @@ def copy_text(count: int, first: int = 0) -> bytes:
     return b"".join(f"{first + i}\tsnap {first + i}\t{i}\n".encode() for i in range(count))
 
 
-def test_tiny_batches_go_as_values_small_ones_by_insert_and_larger_ones_a_stage(
+def test_small_batches_go_as_values_and_the_others_through_a_stage(
         request: pytest.FixtureRequest, unique_name: str) -> None:
-    """At the default `stage_min_rows` (1000): up to 100 rows go as the VALUES of the MERGE (the
-    resync-table lookup and the MERGE), 999 are inserted into a staging table, 1000 go through
-    the stage; a stage load runs the same statements whatever its size."""
-    target = make_target(request, "snowflake_values", unique_name, stage_min_rows=1000)
-    assert target.config.stage_min_rows == 1000
+    """At the default `stage_min_rows` (100): up to 99 rows go as the VALUES of the MERGE (the
+    resync-table lookup and the MERGE), 100 and more through the stage, which runs the same
+    statements whatever its size. A snapshot range below the threshold is inserted into a staging
+    table (never VALUES: a range has no bound on its size until it is read)."""
+    default = SnowflakeTargetConfig.model_fields["stage_min_rows"].default
+    assert default == 100
+    target = make_target(request, "snowflake_values", unique_name, stage_min_rows=default)
     target.ensure_table(NOTES)
-    target.apply_rows(NOTES, numbered_rows(100, first=50_000))
+    target.apply_rows(NOTES, numbered_rows(99, first=50_000))
     assert (target.last_load_path, target.last_load_statements) == ("values", 2)
-    target.apply_rows(NOTES, numbered_rows(101, first=50_100))
-    assert (target.last_load_path, target.last_load_statements) == ("insert", 5)
-    target.apply_rows(NOTES, numbered_rows(999))
-    assert target.last_load_path == "insert"
-    target.apply_rows(NOTES, numbered_rows(1000, first=999))
+    target.apply_rows(NOTES, numbered_rows(100, first=50_100))
     assert target.last_load_path == "stage"
     # The session's stage is created once: the next loads run one statement fewer.
-    target.apply_rows(NOTES, numbered_rows(1000, first=1999))
+    target.apply_rows(NOTES, numbered_rows(999))
     steady = target.last_load_statements
     target.apply_rows(NOTES, numbered_rows(20_000, first=2999))
     # CREATE TEMPORARY TABLE, PUT, COPY, the resync-table lookup, MERGE, DROP TABLE.
     assert (target.last_load_path, target.last_load_statements, steady) == ("stage", 6, 6)
-    assert target.apply_copy_text(NOTES, iter([copy_text(999, first=30_000)]), 1) == 999
+    assert target.apply_copy_text(NOTES, iter([copy_text(99, first=30_000)]), 1) == 99
     assert target.last_load_path == "insert"
-    assert target.apply_copy_text(NOTES, iter([copy_text(1000, first=40_000)]), 1) == 1000
+    assert target.apply_copy_text(NOTES, iter([copy_text(100, first=40_000)]), 1) == 100
     assert target.last_load_path == "stage"
-    assert target.count_current(NOTES) == 100 + 101 + 999 + 1000 + 1000 + 20_000 + 999 + 1000
+    assert target.count_current(NOTES) == 99 + 100 + 999 + 20_000 + 99 + 100
     target.close()
 
 
