@@ -24,7 +24,7 @@ from siphon_core.config import SnowflakeTargetConfig
 from siphon_core.logs import get_logger
 from siphon_dagster.targets import snowflake_sql as sql
 from siphon_dagster.targets import snowflake_stage as stage
-from siphon_dagster.targets.base import META_COLUMNS, SchemaChange, SourceColumn, TargetError
+from siphon_dagster.targets.base import META_COLUMNS, SHADOW_SUFFIX, SchemaChange, SourceColumn, TargetError
 from siphon_dagster.targets.copy_text import iter_copy_rows
 from siphon_dagster.targets.names import TableNames
 from siphon_dagster.targets.snowflake_key import load_private_key
@@ -120,6 +120,17 @@ class SnowflakeTarget(SqlTarget):
                          nullable != "YES" and column not in META_COLUMNS)
             for column, kind, precision, scale, nullable in rows
         ]
+
+    def _listed_shadows(self, names: TableNames) -> set[str] | None:
+        # One catalog read answers a run's hundreds of tables for `shadow_lookup_seconds`, where a
+        # look-up of each table's columns cost most of its batches a statement of their own.
+        rows = self._fetch(
+            names,
+            "looking for resync tables",
+            f"SELECT table_name FROM {sql.quote(self.database)}.information_schema.tables WHERE table_schema = ?",
+            (self.schema,),
+        )
+        return {name for (name,) in rows if name.endswith(SHADOW_SUFFIX)}
 
     # -- schema changes --------------------------------------------------------------------------
 

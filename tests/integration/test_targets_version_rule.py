@@ -10,6 +10,7 @@ by the current rows the target must show, as PostgreSQL text.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -301,6 +302,34 @@ def test_resync_through_shadow_keeps_the_view_readable(target: Target, variant: 
     assert target.current_rows_as_text(NOTES) == [("3", "streamed", "4")]
     target.drop_table(NOTES)
     assert target.describe_columns(NOTES) == []
+
+
+def test_a_runs_tables_learn_of_resync_tables_from_one_listing(target: Target) -> None:
+    """Siblings (a streaming run's tables) trust one listing of the namespace's resync tables for
+    `shadow_lookup_seconds`: a batch of another table within it sends no look-up of its own, and
+    a resync table made since is found by the first batch after it."""
+    other = TableSchema("public", "other notes", NOTES.columns)
+    target.shadow_lookup_seconds = 0.5  # type: ignore[attr-defined]
+    sibling = target.sibling()  # type: ignore[attr-defined]
+    target.ensure_table(NOTES)
+    sibling.ensure_table(other)
+    # A first load of each (a Snowflake session then creates its stage), then the listing expires.
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "first", 1, 5)]))
+    sibling.apply_rows(other, batch(other, [row(1, "other", 1, 5)]))
+    time.sleep(0.6)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "first", 1, 10)]))
+    listed = target.last_load_statements  # type: ignore[attr-defined]
+    sibling.apply_rows(other, batch(other, [row(1, "other", 1, 10)]))
+    assert sibling.last_load_statements == listed - 1  # type: ignore[attr-defined]
+    target.create_shadow(NOTES)
+    time.sleep(0.6)
+    sibling.apply_rows(other, batch(other, [row(2, "other", 2, 20)]))  # lists again: one shadow, not its own
+    assert sibling.last_load_statements == listed  # type: ignore[attr-defined]
+    target.apply_rows(NOTES, batch(NOTES, [row(2, "streamed", 2, 20)]))  # the listing's answer: both tables
+    target.swap_shadow(NOTES)
+    assert target.current_rows_as_text(NOTES) == [("2", "streamed", "2")]
+    assert sibling.current_rows_as_text(other) == [("1", "other", "1"), ("2", "other", "2")]
+    sibling.close()
 
 
 def test_a_snapshot_during_a_resync_reaches_the_resync_table_and_the_live_one(target: Target) -> None:
