@@ -649,6 +649,10 @@ def differing_rows(config_path: Path, target_name: str = "clickhouse") -> tuple[
                     rows = [tuple(None if (v := result.get_value(r, c)) is None else bytes(v).decode()
                                   for c in range(result.nfields)) for r in range(result.ntuples)]
                 expected = {row[0]: row for row in rows}
+                if not target.table_exists(schema):
+                    problems.append(f"{table.name}: not created in {target_name} ({len(expected)} rows at the source)")
+                    total += len(expected)
+                    continue
                 actual = {row[0]: tuple(row) for row in target.current_rows_as_text(schema)}
                 differ = [key for key in expected.keys() & actual.keys() if expected[key] != actual[key]]
                 bad = len(expected.keys() ^ actual.keys()) + len(differ)
@@ -871,10 +875,14 @@ def main() -> int:
                 change.finish(max(0.0, deadline - time.monotonic()))
             drained_seconds = time.monotonic() - steady_started - args.seconds
             differing, problems, differing_by_target = 0, [], {}
-            for target_name in target_names:
-                count, found = differing_rows(config_path, target_name)
-                differing_by_target[target_name] = count
-                differing, problems = differing + count, problems + found
+            try:
+                for target_name in target_names:
+                    count, found = differing_rows(config_path, target_name)
+                    differing_by_target[target_name] = count
+                    differing, problems = differing + count, problems + found
+            except BaseException:
+                keep_logs(directory)  # a comparison that failed needs them as much as rows that differ
+                raise
             if differing or args.keep_logs:
                 keep_logs(directory)
             final_pids = tree(dagster.pid)
