@@ -163,6 +163,10 @@ class QueueConfig(_Model):
     # Stream replicas in a cluster; 1 on a single server (which then syncs every write).
     replicas: int = Field(default=1, ge=1, le=5)
     max_message_bytes: int = Field(default=1_048_576, ge=65_536)
+    # The stream's limit of consumers, set on it explicitly: Siphon keeps one per table and target,
+    # and JetStream (2.15 on) limits a stream that sets none to 1000, which 500 tables to two
+    # targets reach.
+    max_consumers: int = Field(default=10_000, ge=1)
     # -- TLS and authentication (siphon_core.queue_security): a `tls://` URL or any tls_* setting means
     # TLS or no connection at all, never a plain-text fallback --
     tls_ca_file: str | None = None
@@ -562,6 +566,10 @@ class SiphonConfig(_Model):
                 raise ValueError(f"tables: '{table.name}' names target(s) {missing}, which are not configured under "
                                  "targets:")
         self._check_groups(seen)
+        consumers = sum(len(table.targets or self.targets.configured()) for table in self.tables)
+        if consumers > self.queue.max_consumers:
+            raise ValueError(f"queue.max_consumers: {self.queue.max_consumers} is below the {consumers} consumers the "
+                             "tables need (one per table and target); raise it")
         return self
 
     _unexpanded: dict[str, Any] = PrivateAttr(default_factory=dict)

@@ -22,7 +22,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from siphon_core import naming
 from siphon_core.config import QueueConfig
@@ -42,6 +42,7 @@ class StreamSettings:
     duplicate_window_seconds: int = 600
     replicas: int = 1
     max_message_bytes: int = 1_048_576
+    max_consumers: int = 10_000
 
     @property
     def stream(self) -> str:
@@ -51,6 +52,10 @@ class StreamSettings:
     def subjects(self) -> list[str]:
         return [f"{naming.subject_prefix(self.application_identifier)}.>",
                 f"siphon_dead_letter.{naming.escape_subject_token(self.application_identifier)}.>"]
+
+
+# JetStream's error code for a stream (or account) that has as many consumers as it allows.
+MAXIMUM_CONSUMERS_REACHED = 10026
 
 
 class JetStreamQueue:
@@ -69,7 +74,7 @@ class JetStreamQueue:
     def from_config(cls, config: QueueConfig, application_identifier: str, name: str = "siphon") -> JetStreamQueue:
         """The application's queue as `queue:` in siphon.yaml describes it, TLS and login included."""
         settings = StreamSettings(application_identifier, config.duplicate_window_seconds, config.replicas,
-                                  config.max_message_bytes)
+                                  config.max_message_bytes, config.max_consumers)
         return cls(config.url, settings, name=name, login=QueueLogin.from_config(config))
 
     async def connect(self, connect_timeout: float = 5.0) -> None:
@@ -138,6 +143,7 @@ class JetStreamQueue:
             duplicate_window=float(self.settings.duplicate_window_seconds),
             max_msg_size=self.settings.max_message_bytes + 65_536,
             discard=DiscardPolicy.OLD,
+            max_consumers=self.settings.max_consumers,
         )
         try:
             info = await self.js.stream_info(config.name)
@@ -157,7 +163,15 @@ class JetStreamQueue:
         # Retention is the operator's to set (`nats stream edit`); an update must not reset it.
         for limit in ("max_age", "max_bytes", "max_msgs", "max_msgs_per_subject"):
             setattr(config, limit, getattr(info.config, limit))
-        await self.js.update_stream(config)
+        try:
+            await self.js.update_stream(config)
+        except BadRequestError:
+            if info.config.max_consumers == config.max_consumers:
+                raise
+            # A server from before 2.12 cannot change a stream's consumer limit (nor does it set one
+            # of its own); everything else is updated.
+            config.max_consumers = info.config.max_consumers
+            await self.js.update_stream(config)
 
     async def publish(self, subject: str, payload: bytes, message_id: str, timeout: float = 30.0) -> int:
         """Publishes and waits for the stream's ack; returns the stream sequence."""
@@ -216,7 +230,21 @@ class JetStreamQueue:
         try:
             return await self.js.consumer_info(self.settings.stream, durable)
         except NotFoundError:
+            return await self.add_consumer(config)
+
+    async def add_consumer(self, config: ConsumerConfig) -> ConsumerInfo:
+        """Creates a consumer; a stream at its limit of consumers is a QueueError that says so."""
+        try:
             return await self.js.add_consumer(self.settings.stream, config)
+        except BadRequestError as error:
+            if error.err_code != MAXIMUM_CONSUMERS_REACHED:
+                raise
+            raise QueueError(
+                f"JetStream stream {self.settings.stream} has as many consumers as it allows, so consumer "
+                f"{config.durable_name} cannot be made: Siphon keeps one per table and target. Set "
+                "queue.max_consumers in siphon.yaml above the number of tables times targets (the stream takes it "
+                "when the producer or a run starts), and check the account's JetStream limits; consumers of "
+                "tables no longer replicated can be removed with `nats consumer rm`") from error
 
     async def pull_subscription(self, durable: str, subject: str) -> JetStreamContext.PullSubscription:
         await self.ensure_consumer(durable, subject)

@@ -251,7 +251,7 @@ class StreamConsumer:
                      table=self.table.name, target=self.target.name, unacknowledged=info.num_ack_pending,
                      from_sequence=floor + 1)
         await js.delete_consumer(self.queue.settings.stream, self.durable)
-        return await js.add_consumer(self.queue.settings.stream, config)
+        return await self.queue.add_consumer(config)
 
     async def _pull(self, subscription: JetStreamContext.PullSubscription) -> list[Msg]:
         """Up to batch_max_messages / batch_max_bytes, waiting at most batch_max_wait_seconds (or

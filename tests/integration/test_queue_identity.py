@@ -1,4 +1,5 @@
-"""Applications whose identifiers map to one JetStream stream name refuse to share it."""
+"""Applications whose identifiers map to one JetStream stream name refuse to share it; the stream's
+limits are Siphon's own where it sets them, and the operator's where it does not."""
 
 import asyncio
 
@@ -44,5 +45,35 @@ def test_a_retention_limit_set_by_the_operator_survives_a_restart(nats_url: str,
             assert after.max_age == 7 * 24 * 3600.0 and after.max_bytes == 1 << 30
         finally:
             await queue.close()
+
+    asyncio.run(run())
+
+
+def test_the_stream_takes_the_configured_consumer_limit_and_a_full_stream_is_named(nats_url: str,
+                                                                                  unique_name: str) -> None:
+    """JetStream 2.15 limits a stream that sets no limit to 1000 consumers; Siphon sets its own
+    (`queue.max_consumers`), on an existing stream too, and a consumer the limit refuses is an
+    error that names the setting."""
+
+    async def run() -> None:
+        small = JetStreamQueue(nats_url, StreamSettings(unique_name, max_consumers=2))
+        await small.connect()
+        try:
+            await small.ensure_stream()
+            assert (await small.js.stream_info(small.settings.stream)).config.max_consumers == 2
+            for table in ("a", "b"):
+                await small.ensure_consumer(f"{unique_name}_{table}", f"{small.settings.subjects[0][:-2]}.{table}")
+            with pytest.raises(QueueError, match=r"has as many consumers as it allows.*queue.max_consumers"):
+                await small.ensure_consumer(f"{unique_name}_c", f"{small.settings.subjects[0][:-2]}.c")
+        finally:
+            await small.close()
+        larger = JetStreamQueue(nats_url, StreamSettings(unique_name))  # a restart with the default
+        await larger.connect()
+        try:
+            await larger.ensure_stream()
+            assert (await larger.js.stream_info(larger.settings.stream)).config.max_consumers == 10_000
+            await larger.ensure_consumer(f"{unique_name}_c", f"{larger.settings.subjects[0][:-2]}.c")
+        finally:
+            await larger.close()
 
     asyncio.run(run())

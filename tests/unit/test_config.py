@@ -79,6 +79,8 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
         ({"targets": {"snowflake": {"account": "a", "user": "u", "stage_min_rows": -1}}},
          "targets.snowflake.stage_min_rows: Input should be greater than or equal to 0"),
         ({"streaming": {"apply_threads": 0}}, "streaming.apply_threads: Input should be greater than or equal to 1"),
+        ({"queue": {"max_consumers": 2}, "tables": [{"name": "public.a"}, {"name": "public.b"}, {"name": "public.c"}]},
+         "queue.max_consumers: 2 is below the 3 consumers the tables need (one per table and target)"),
     ],
 )
 def test_errors_name_the_file_the_table_and_the_key(change, expected):
