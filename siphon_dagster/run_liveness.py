@@ -64,6 +64,18 @@ def dead_run_reason(run: dg.DagsterRun, started_at: float | None, now: float) ->
     return None
 
 
+def live_worker_pid(run: dg.DagsterRun) -> int | None:
+    """The process id of the run's worker when it still runs on this host, else None (another
+    host's worker, an untagged run, or a process that is gone or was replaced)."""
+    tag = run.tags.get(WORKER_TAG)
+    if tag is None:
+        return None
+    host, pid, start = tag.rsplit(":", 2)
+    if host != socket.gethostname() or start == "gone" or _start_ticks(int(pid)) != start:
+        return None
+    return int(pid)
+
+
 def _start_ticks(pid: int) -> str:
     """The process's start time in clock ticks since boot, or 'gone'."""
     try:

@@ -4,6 +4,8 @@
 import asyncio
 import hashlib
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -23,6 +25,7 @@ from siphon_dagster.stream_groups import (
     STREAM_TAG,
     TABLES_HASH_TAG,
     StreamGroup,
+    lingering_streaming_runs,
     live_streaming_runs,
     served_tables,
 )
@@ -195,6 +198,9 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
         clock = now()
         live = _live_streaming_runs(context, application, clock)
         _terminate_stale_runs(context, live, by_key)
+        # A worker whose run Dagster records as ended but that still runs still applies its
+        # tables: it is interrupted, and its tables' new run waits until it is gone.
+        live += _stop_lingering_workers(context, application, clock, state)
         requests = []
         for group in groups:
             job = jobs[group.key]
@@ -247,10 +253,48 @@ def _live_streaming_runs(context: dg.SensorEvaluationContext, application: str, 
     return live
 
 
+# A worker still there this long after its run ended is lingering, not exiting: it is interrupted
+# (SIGINT: it stops after its batches in progress, as Dagster's own termination does), and killed
+# if it is still there LINGERING_KILL_AFTER_SECONDS after that.
+LINGERING_AFTER_END_SECONDS = 60.0
+LINGERING_KILL_AFTER_SECONDS = 120.0
+
+
+def _stop_lingering_workers(context: dg.SensorEvaluationContext, application: str, now: float,
+                            state: dict) -> list[dg.DagsterRun]:
+    """The streaming runs recorded as canceled or failed whose worker still runs on this host: a
+    new run of their tables waits for them. A worker that outlived its run by
+    LINGERING_AFTER_END_SECONDS is interrupted, then killed; `state` (the sensor's cursor)
+    remembers when each was first interrupted."""
+    interrupted = state.get("lingering", {})
+    lingering = lingering_streaming_runs(context.instance, application, now)
+    still = {}
+    for run, pid, ended in lingering:
+        if now - ended < LINGERING_AFTER_END_SECONDS:
+            continue  # a worker on its way out after its run ended
+        first = interrupted.get(run.run_id)
+        kill = first is not None and now - first >= LINGERING_KILL_AFTER_SECONDS
+        context.log.warning(f"{run.job_name}: run {run.run_id} is recorded {run.status.value.lower()} but its worker "
+                            f"(process {pid}) still runs and applies its tables: "
+                            f"{'killing' if kill else 'interrupting'} it; a new run of its tables waits until it "
+                            "has ended")
+        try:
+            os.kill(pid, signal.SIGKILL if kill else signal.SIGINT)
+        except ProcessLookupError:
+            continue
+        still[run.run_id] = first if first is not None else now
+    if still:
+        state["lingering"] = still
+    else:
+        state.pop("lingering", None)
+    return [run for run, _, _ in lingering]
+
+
 def _serves_group(run: dg.DagsterRun, group: StreamGroup) -> bool:
     served = served_tables(run)
     return served is not None and run.tags.get(GROUP_TAG) == group.key \
-        and run.tags.get(TABLES_HASH_TAG) == group.tables_hash and run.status != dg.DagsterRunStatus.CANCELING
+        and run.tags.get(TABLES_HASH_TAG) == group.tables_hash and run.status in IN_PROGRESS \
+        and run.status != dg.DagsterRunStatus.CANCELING  # a lingering worker's run serves nothing: it is waited for
 
 
 def _overlaps(run: dg.DagsterRun, group: StreamGroup) -> bool:

@@ -8,6 +8,7 @@ older configuration and replace it, and so that no two runs ever pull one table'
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from dataclasses import dataclass
 
@@ -95,6 +96,38 @@ def live_streaming_runs(instance: dg.DagsterInstance, application_tag: str, now:
                                        limit=1000)
     return [(r.dagster_run, dead_run_reason(r.dagster_run, r.start_time, now)) for r in records
             if GROUP_TAG in r.dagster_run.tags or STREAM_TAG in r.dagster_run.tags]
+
+
+# How far back an ended run's worker is looked for: Dagster's run monitoring marks a run canceled
+# once it has been canceling for a few minutes, whether or not its worker stopped.
+LINGERING_WITHIN_SECONDS = 24 * 3600.0
+
+
+def lingering_streaming_runs(instance: dg.DagsterInstance, application_tag: str, now: float
+                             ) -> list[tuple[dg.DagsterRun, int, float]]:
+    """The application's streaming runs that Dagster records as canceled or failed while their
+    worker process still runs on this host, each with that process's id and when the run ended.
+    Such a worker still applies its tables: a cancellation that never reached it (the code server
+    that launched it was replaced by a reload) is marked done by run monitoring after its timeout
+    all the same."""
+    from siphon_dagster.run_liveness import live_worker_pid
+
+    ended = [dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE]
+    records = instance.get_run_records(dg.RunsFilter(statuses=ended, tags={APPLICATION_TAG: application_tag},
+                                                     updated_after=_utc(now - LINGERING_WITHIN_SECONDS)), limit=200)
+    lingering = []
+    for record in records:
+        run = record.dagster_run
+        if GROUP_TAG not in run.tags and STREAM_TAG not in run.tags:
+            continue
+        pid = live_worker_pid(run)
+        if pid is not None:
+            lingering.append((run, pid, record.end_time or record.update_timestamp.timestamp()))
+    return lingering
+
+
+def _utc(timestamp: float) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(timestamp, tz=datetime.UTC)
 
 
 def group_runs_serving(instance: dg.DagsterInstance, application_tag: str, target: str, table: str, now: float,

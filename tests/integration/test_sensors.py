@@ -226,6 +226,25 @@ def gone_worker_identity() -> str:
     return identity
 
 
+@pytest.fixture
+def worker():
+    """A process standing in for a run's worker: its identity to tag a run with, and `stop()`,
+    which ends it as a worker ends with its run (a run recorded ended while its worker still runs
+    holds its tables back, see test_lingering_workers)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    class Worker:
+        identity = worker_identity(process.pid)
+
+        @staticmethod
+        def stop() -> None:
+            process.kill()
+            process.wait()
+
+    yield Worker
+    Worker.stop()
+
+
 def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
     defs = build_definitions(config)
     gone = gone_worker_identity()
@@ -399,11 +418,11 @@ def test_first_tick_starts_one_run_per_target_and_group(config):
                           "stream_clickhouse__hot": f"{schema}.events"}
 
 
-def test_a_run_serving_an_older_table_set_is_terminated_and_replaced_only_once_it_is_gone(config):
+def test_a_run_serving_an_older_table_set_is_terminated_and_replaced_only_once_it_is_gone(config, worker):
     before = with_tables(config, ["grows", "events"])
     after = with_tables(config, ["grows", "events", "orders"])
     with dg.instance_for_test() as instance:
-        old = group_run(instance, before, tags={WORKER_TAG: worker_identity()})
+        old = group_run(instance, before, tags={WORKER_TAG: worker.identity})
         defs = build_definitions(after)
         first = tick(defs, after, instance, "_streaming")
         assert first.run_requests == []
@@ -412,6 +431,7 @@ def test_a_run_serving_an_older_table_set_is_terminated_and_replaced_only_once_i
         assert json.loads(first.cursor)["stream_clickhouse"]["waiting_for"] == [old.run_id]
         # Still alive: no second run beside it, and no second termination request.
         assert tick(defs, after, instance, "_streaming", cursor=first.cursor).run_requests == []
+        worker.stop()
         instance.report_run_canceled(instance.get_run_by_id(old.run_id))
         third = tick(defs, after, instance, "_streaming", cursor=first.cursor)
         assert [r.job_name for r in third.run_requests] == ["stream_clickhouse"]
@@ -442,19 +462,36 @@ def test_a_run_of_a_group_no_longer_configured_is_terminated(config):
         assert instance.get_run_by_id(hot.run_id).status == dg.DagsterRunStatus.CANCELING
 
 
-def test_a_single_table_run_by_hand_holds_back_the_group_run(config):
+def test_a_run_recorded_canceled_whose_worker_runs_on_holds_back_its_replacement(config, worker):
+    """Run monitoring marks a run canceled once its cancellation times out, whether or not the
+    worker stopped (a cancellation sent to a code server a reload replaced never reaches it): its
+    tables' new run waits until that worker is gone."""
+    defs = build_definitions(config)
+    with dg.instance_for_test() as instance:
+        lingering = group_run(instance, config, tags={WORKER_TAG: worker.identity})
+        instance.report_run_canceled(instance.get_run_by_id(lingering.run_id))
+        result = tick(defs, config, instance, "_streaming")
+        assert result.run_requests == []
+        assert json.loads(result.cursor)[streaming_job_name(config)]["waiting_for"] == [lingering.run_id]
+        worker.stop()
+        assert [r.job_name for r in tick(defs, config, instance, "_streaming").run_requests] == \
+            [streaming_job_name(config)]
+
+
+def test_a_single_table_run_by_hand_holds_back_the_group_run(config, worker):
     grouped = with_tables(config, ["grows", "events"])
     defs = build_definitions(grouped)
     spec = table_specs(grouped)[1]
     single = defs.resolve_job_def(spec.stream_job_name("clickhouse"))
     with dg.instance_for_test() as instance:
         by_hand = create_run_for_test(instance, job_name=single.name, status=dg.DagsterRunStatus.STARTED,
-                                      tags={**single.tags, WORKER_TAG: worker_identity()})
+                                      tags={**single.tags, WORKER_TAG: worker.identity})
         result = tick(defs, grouped, instance, "_streaming")
         assert result.run_requests == []
         assert json.loads(result.cursor)["stream_clickhouse"]["waiting_for"] == [by_hand.run_id]
         # The sensor never terminates a run started by hand; it waits for it to end.
         assert instance.get_run_by_id(by_hand.run_id).status == dg.DagsterRunStatus.STARTED
+        worker.stop()
         instance.report_run_failed(instance.get_run_by_id(by_hand.run_id))
         assert [r.job_name for r in tick(defs, grouped, instance, "_streaming").run_requests] == ["stream_clickhouse"]
 
