@@ -56,24 +56,27 @@ def dead_run_reason(run: dg.DagsterRun, started_at: float | None, now: float) ->
                 and now - started_at > UNTAGGED_GRACE_SECONDS:
             return f"it has been STARTED for {now - started_at:.0f}s and its worker never reported"
         return None
-    host, pid, start = tag.rsplit(":", 2)
-    if host != socket.gethostname():
+    local = _local_worker(tag)
+    if local is None:
         return None  # another machine's process: not ours to judge
-    if _start_ticks(int(pid)) != start:
-        return f"its worker process {pid} on {host} is gone"
-    return None
+    pid, alive = local
+    return None if alive else f"its worker process {pid} on {socket.gethostname()} is gone"
 
 
 def live_worker_pid(run: dg.DagsterRun) -> int | None:
     """The process id of the run's worker when it still runs on this host, else None (another
     host's worker, an untagged run, or a process that is gone or was replaced)."""
     tag = run.tags.get(WORKER_TAG)
-    if tag is None:
-        return None
+    local = _local_worker(tag) if tag is not None else None
+    return local[0] if local is not None and local[1] else None
+
+
+def _local_worker(tag: str) -> tuple[int, bool] | None:
+    """(pid, whether that process still runs) for a worker tag of this host; None for another host's."""
     host, pid, start = tag.rsplit(":", 2)
-    if host != socket.gethostname() or start == "gone" or _start_ticks(int(pid)) != start:
+    if host != socket.gethostname():
         return None
-    return int(pid)
+    return int(pid), start != "gone" and _start_ticks(int(pid)) == start
 
 
 def _start_ticks(pid: int) -> str:

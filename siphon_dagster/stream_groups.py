@@ -107,9 +107,8 @@ def lingering_streaming_runs(instance: dg.DagsterInstance, application_tag: str,
                              ) -> list[tuple[dg.DagsterRun, int, float]]:
     """The application's streaming runs that Dagster records as canceled or failed while their
     worker process still runs on this host, each with that process's id and when the run ended.
-    Such a worker still applies its tables: a cancellation that never reached it (the code server
-    that launched it was replaced by a reload) is marked done by run monitoring after its timeout
-    all the same."""
+    Such a worker still applies its tables: run monitoring marks a cancellation done after its
+    timeout whether or not the worker stopped."""
     from siphon_dagster.run_liveness import live_worker_pid
 
     ended = [dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE]
