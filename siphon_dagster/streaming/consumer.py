@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -37,6 +37,7 @@ from siphon_core.queue import JetStreamQueue
 from siphon_core.wire.packages import PackageError
 from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier, PreparedBatch
 from siphon_dagster.streaming.batch import MAX_EXPANSION_OF_MESSAGE_LIMIT, PackageAssembler, ReceivedPackage
+from siphon_dagster.streaming.interrupts import run_interruptibly
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.strategy import ErrorStrategy, RetryPolicy, StreamApplyError
@@ -131,7 +132,7 @@ class StreamConsumer:
 
     def run(self, stop_when_drained: bool = False, max_batches: int | None = None,
             on_batch: Callable[[BatchReport], None] | None = None) -> RunSummary:
-        return asyncio.run(self.run_async(stop_when_drained, max_batches, on_batch))
+        return run_interruptibly(self.run_async(stop_when_drained, max_batches, on_batch))
 
     async def run_async(self, stop_when_drained: bool = False, max_batches: int | None = None,
                         on_batch: Callable[[BatchReport], None] | None = None) -> RunSummary:
@@ -213,6 +214,10 @@ class StreamConsumer:
         finally:
             if ahead is not None:
                 ahead.cancel()
+                # It ends before the run's connection closes; else the client turns its
+                # cancellation into a ConnectionClosedError that asyncio reports at the run's end.
+                await asyncio.wait({ahead})
+                _outcome_seen(ahead)
             if finishing is not None:
                 with contextlib.suppress(Exception):
                     await finishing  # a batch being written is written and acked, never left half-done
@@ -553,6 +558,12 @@ def fetch_step(messages_left: int, bytes_left: int, message_bytes: float) -> int
     the messages left or `_FETCH_STEP_MAX`."""
     fits = int(bytes_left / message_bytes) if message_bytes > 0 else _FETCH_STEP_MAX
     return max(1, min(messages_left, _FETCH_STEP_MAX, max(_FETCH_STEP, fits)))
+
+
+def _outcome_seen(task: asyncio.Task[Any]) -> None:
+    """Marks a task's outcome as seen, so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _below(limit: int | None, count: int) -> bool:

@@ -25,6 +25,7 @@ from siphon_core.config import TableConfig
 from siphon_core.logs import get_logger
 from siphon_core.queue import JetStreamQueue
 from siphon_dagster.streaming.consumer import StreamConsumer
+from siphon_dagster.streaming.interrupts import run_interruptibly
 from siphon_dagster.streaming.pace import BatchPace
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 from siphon_dagster.streaming.turns import Turns
@@ -108,7 +109,7 @@ class GroupRunner:
         previous = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
         try:
-            return asyncio.run(self.run_async(stop_when_drained))
+            return run_interruptibly(self.run_async(stop_when_drained))
         finally:
             sys.setswitchinterval(previous)
 
@@ -161,7 +162,11 @@ class GroupRunner:
         self.stop()
         pending = [task for task in tables if not task.done()]
         for task in pending:
-            task.cancel()  # a batch being written is still written and acked (StreamConsumer._loop)
+            # A batch being written is still written and acked (StreamConsumer._loop); a second
+            # cancellation would cut that short, so a task already cancelled (the run's own
+            # cancellation reaches every table through the gather) is not cancelled again.
+            if not task.cancelling():
+                task.cancel()
         if pending:
             await asyncio.wait(pending)
 

@@ -5,6 +5,8 @@ small batch against Spark's."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -227,6 +229,45 @@ def test_an_interrupt_in_one_table_ends_every_table_before_the_connection_closes
     assert failures == []
     assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage()[:300] for r in caplog.records]
     consumers.close()
+
+
+def test_dagsters_termination_signal_ends_a_busy_group_run_and_the_next_run_applies_the_rest(
+        request, nats_url, postgres_dsn, clickhouse_url, unique_name, caplog):
+    """Dagster terminates a run with SIGINT, whose handler raises in whatever frame the event loop
+    is in. The run ends each time, however busy its tables and the queue's client are, leaves no
+    task to fail after it, and nothing it had taken is lost: a second run applies every row."""
+    from dagster._core.errors import DagsterExecutionInterruptedError
+    from dagster._utils.interrupts import raise_interrupts_as
+
+    names = [f"i{i}" for i in range(8)]
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
+    publish_backlogs(nats_url, unique_name, names, 40)
+    runs: list[Consumers] = []
+    for attempt in range(3):  # the signal lands somewhere else in the loop each time
+        consumers = Consumers(config, StreamingConfig(batch_max_messages=2, batch_max_wait_seconds=0.05),
+                              idle_pull_seconds=5.0, pipelined=True)
+        runs.append(consumers)
+        applied: list[BatchReport] = []
+
+        def on_batch(report: BatchReport, applied: list[BatchReport] = applied, after: int = 3 + attempt) -> None:
+            applied.append(report)
+            if len(applied) == after:
+                threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+
+        runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, lambda failure: None)
+        with caplog.at_level(logging.ERROR, logger="asyncio"), raise_interrupts_as(DagsterExecutionInterruptedError), \
+                pytest.raises(DagsterExecutionInterruptedError):
+            runner.run()  # never drained on its own: without the signal it would stream on
+        assert len(applied) >= 3 + attempt
+        assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage()[:300] for r in caplog.records]
+    drain = Consumers(config, StreamingConfig(batch_max_messages=50, batch_max_wait_seconds=0.05))
+    runs.append(drain)
+    GroupRunner(drain.shared, list(config.tables), drain, lambda report: None,
+                lambda failure: None).run(stop_when_drained=True)
+    for name in names:
+        assert rows_of(drain.opened[-1], name) == [(str(i), f"{name} {i}", str(i)) for i in range(40)], name
+    for consumers in runs:
+        consumers.close()
 
 
 class _SlowWrites(_WrappedTarget):
