@@ -85,7 +85,13 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                           "run_id": context.run_id},
             ))
 
-        context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity()})
+        stale = {key: value for key, value in group.served_tags.items() if context.run.tags.get(key) != value}
+        if stale:
+            # The run was made from an older copy of this job (the code location reloaded since):
+            # its tags must say what it applies, for the sensor keeps two runs off one table by them.
+            context.log.warning(f"the run's tags named other tables than this code serves ({group.job_name}); "
+                                "corrected to the tables it applies")
+        context.instance.add_run_tags(context.run_id, {**stale, WORKER_TAG: worker_identity()})
         # /metrics of this run (streaming.metrics_port; 0 serves none): lag, pending, rows per table.
         stream_metrics.serve(streaming.metrics_port, streaming.metrics_host)
         targets: dict[str, Any] = {}

@@ -230,7 +230,10 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
                                     f"{last_end + wait - clock:.0f}s (see the failed runs for the error)")
                 continue
             entry.pop("backoff_until", None)
-            requests.append(dg.RunRequest(job_name=job.name, tags={"siphon/started-by": "streaming-sensor"}))
+            # The group's tables as this sensor's definitions have them: a daemon whose copy of the
+            # job is older than the code location (just reloaded) would give the run the old ones.
+            requests.append(dg.RunRequest(job_name=job.name,
+                                          tags={**group.served_tags, "siphon/started-by": "streaming-sensor"}))
         for name in set(state) - {jobs[group.key].name for group in groups}:
             del state[name]  # a group that no longer exists
         if stale:

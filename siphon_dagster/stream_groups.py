@@ -52,8 +52,13 @@ class StreamGroup:
 
     @property
     def tags(self) -> dict[str, str]:
-        return {**self.specs[0].tags, GROUP_TAG: self.key, TABLES_TAG: ",".join(self.tables),
-                TABLES_HASH_TAG: self.tables_hash}
+        return {**self.specs[0].tags, **self.served_tags}
+
+    @property
+    def served_tags(self) -> dict[str, str]:
+        """The tags that say which tables a run of this group applies: the sensor's one source of
+        truth that no two runs apply one table."""
+        return {GROUP_TAG: self.key, TABLES_TAG: ",".join(self.tables), TABLES_HASH_TAG: self.tables_hash}
 
 
 def tables_hash(tables: tuple[str, ...] | list[str]) -> str:

@@ -119,9 +119,15 @@ def test_a_failing_table_stops_alone_and_the_others_of_the_run_converge(request,
     job = defs.resolve_job_def("stream_clickhouse")
     with dg.instance_for_test() as instance:
         result = job.execute_in_process(instance=instance, raise_on_error=False,
+                                        tags={"siphon/stream-tables": "public.notes,public.removed",
+                                              "siphon/stream-tables-hash": "0000000000000000"},
                                         run_config={"ops": {"apply_clickhouse": {"config": {"stop_when_drained": True}}}})
         # The run ends failed, naming the table that stopped, after the other tables drained.
         assert not result.success
+        # Made from an older copy of the job, it says which tables it applied: the sensor keeps two
+        # runs off one table by these tags.
+        assert instance.get_run_by_id(result.run_id).tags["siphon/stream-tables"] == \
+            "public.bad,public.notes,public.ones"
         failure = result.failure_data_for_node("apply_clickhouse").error.message
         assert "public.bad" in failure and "not valid UTF-8" in failure
         events = [e.dagster_event for e in instance.all_logs(result.run_id) if e.dagster_event is not None]

@@ -416,6 +416,12 @@ def test_first_tick_starts_one_run_per_target_and_group(config):
                   for name in ("stream_clickhouse", "stream_clickhouse__hot")}
         assert tables == {"stream_clickhouse": f"{schema}.grows,{schema}.orders",
                           "stream_clickhouse__hot": f"{schema}.events"}
+        # Each request names its group's tables itself: a daemon holding an older copy of the job
+        # (the code location just reloaded) still makes the run with the tables it applies.
+        requested = {r.job_name: r.tags.get("siphon/stream-tables") for r in result.run_requests}
+        assert requested == tables
+        assert {r.tags.get("siphon/stream-tables-hash") for r in result.run_requests} == \
+            {defs.resolve_job_def(name).tags["siphon/stream-tables-hash"] for name in tables}
 
 
 def test_a_run_serving_an_older_table_set_is_terminated_and_replaced_only_once_it_is_gone(config, worker):
