@@ -18,11 +18,25 @@ def escape_subject_token(identifier: str) -> str:
     return escaped or "%"
 
 
-def application_of_subject(subject: str) -> str:
-    """The application identifier a `siphon.<application>.>` subject was made from."""
-    token = subject.split(".")[1] if subject.count(".") >= 1 else subject
+def unescape_subject_token(token: str) -> str:
+    """The identifier `escape_subject_token` made `token` from."""
     return re.sub(r"(%[0-9A-F]{2})+", lambda m: bytes.fromhex(m.group(0).replace("%", "")).decode(errors="replace"),
                   token)
+
+
+def application_of_subject(subject: str) -> str:
+    """The application identifier a `siphon.<application>.>` subject was made from."""
+    return unescape_subject_token(subject.split(".")[1] if subject.count(".") >= 1 else subject)
+
+
+def table_of_subject(application_identifier: str, subject: str) -> tuple[str, str] | None:
+    """(schema, table) of one of the application's table subjects; None for any other subject."""
+    prefix = subject_prefix(application_identifier) + "."
+    tokens = subject.removeprefix(prefix).split(".")
+    if not subject.startswith(prefix) or len(tokens) != 2:
+        return None
+    schema, table = (unescape_subject_token(token) for token in tokens)
+    return (schema, table) if table_subject(application_identifier, schema, table) == subject else None
 
 
 def stream_name(application_identifier: str) -> str:

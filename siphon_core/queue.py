@@ -243,8 +243,9 @@ class JetStreamQueue:
                 f"JetStream stream {self.settings.stream} has as many consumers as it allows, so consumer "
                 f"{config.durable_name} cannot be made: Siphon keeps one per table and target. Set "
                 "queue.max_consumers in siphon.yaml above the number of tables times targets (the stream takes it "
-                "when the producer or a run starts), and check the account's JetStream limits; consumers of "
-                "tables no longer replicated can be removed with `nats consumer rm`") from error
+                "when the producer or a run starts), and check the account's JetStream limits; the streaming "
+                "sensor removes the consumers of tables no longer replicated once they are idle, and "
+                "`nats consumer rm` removes one at once") from error
 
     async def pull_subscription(self, durable: str, subject: str) -> JetStreamContext.PullSubscription:
         await self.ensure_consumer(durable, subject)
@@ -258,6 +259,26 @@ class JetStreamQueue:
         """Messages not yet delivered plus delivered but not acked, for one consumer."""
         info = await self.js.consumer_info(self.settings.stream, durable)
         return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+    async def consumers(self) -> list[ConsumerInfo]:
+        """Every consumer of the stream (the server answers 256 at a time); none before the stream
+        exists."""
+        found: list[ConsumerInfo] = []
+        while True:
+            try:
+                page = await self.js.consumers_info(self.settings.stream, offset=len(found))
+            except NotFoundError:
+                return found
+            found += page
+            if not page:
+                return found
+
+    async def delete_consumer(self, durable: str) -> bool:
+        """Deletes a consumer and its position; False when there was none."""
+        try:
+            return await self.js.delete_consumer(self.settings.stream, durable)
+        except NotFoundError:
+            return False
 
     async def close(self) -> None:
         if self._nc is not None and not self._nc.is_closed:

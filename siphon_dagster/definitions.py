@@ -72,7 +72,8 @@ def build_definitions(config: SiphonConfig, config_path: str | None = None) -> d
             build_partitions_sensor(specs, group),
             build_streaming_sensor(groups, group, group_jobs, config.streaming.max_failures_before_backoff,
                                    drift=ConfigDrift(config_path, config) if config_path else None,
-                                   reloader=LocationReloader() if config.streaming.reload_location_on_change else None),
+                                   reloader=LocationReloader() if config.streaming.reload_location_on_change else None,
+                                   resync_jobs=resync_jobs),
             build_gap_sensor(specs, group, resync_jobs),
             # New tables load, failed snapshot partitions run again, each table's state on its asset.
             build_snapshot_sensor(specs, group, config.snapshots, target_check_keys([*assets, *asset_checks])),

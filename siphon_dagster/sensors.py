@@ -7,13 +7,21 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import dagster as dg
 
 from siphon_dagster import source as source_db
 from siphon_dagster.assets import source_observation
 from siphon_dagster.config_drift import ConfigDrift
+from siphon_dagster.consumer_sweep import (
+    SweepPlan,
+    added_again,
+    plan_sweep,
+    removal_record,
+    table_consumers,
+    table_id,
+)
 from siphon_dagster.location_reload import LocationReloader
 from siphon_dagster.partitions import missing_keys, range_count
 from siphon_dagster.resources import NatsResource, PostgresResource
@@ -36,6 +44,11 @@ from siphon_dagster.targets.base import TableSchema
 # writing events nobody reads between two looks at the UI.
 SOURCE_OBSERVATION_SECONDS = 600.0
 OBSERVED_KEY = "_observed"  # in the cursor: table -> [when last observed, digest of its column list]
+# The streaming sensor looks for consumers of tables no longer replicated this often (a listing of
+# the stream's consumers: a few requests for hundreds of tables).
+CONSUMER_SWEEP_SECONDS = 300.0
+SWEPT_KEY = "_consumers_swept_at"  # in the streaming sensor's cursor
+REMOVED_KEY = "_unreplicated"  # in it too: table id -> when it was recorded as no longer replicated
 
 
 def read_tables(connection, specs: list[TableSpec],
@@ -168,16 +181,22 @@ def backoff_seconds(failures: int, threshold: int) -> float:
 
 def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: dict[str, dg.JobDefinition],
                            failure_threshold: int, now=time.time, drift: ConfigDrift | None = None,
-                           reloader: LocationReloader | None = None) -> dg.SensorDefinition:
+                           reloader: LocationReloader | None = None,
+                           resync_jobs: Mapping[str, dg.JobDefinition] | None = None,
+                           sweep_seconds: float = CONSUMER_SWEEP_SECONDS) -> dg.SensorDefinition:
     """`jobs` maps each group's key (`<target>:<group>`) to its group job; `drift`, when given,
     tells whether siphon.yaml changed since the code location loaded, and `reloader`, when given,
-    has the code location loaded again when it did."""
+    has the code location loaded again when it did. `resync_jobs` (each table's, by qualified
+    name) rebuild a table replicated again after it was removed; every `sweep_seconds` the
+    consumers of tables no longer replicated are recorded and deleted (consumer_sweep)."""
     application = groups[0].specs[0].tags[APPLICATION_TAG]
     by_key = {group.key: group for group in groups}
+    rebuilds = dict(resync_jobs or {})
+    configured = {(group.target, table) for group in groups for table in group.tables}
 
     @dg.sensor(
         name=f"{sensor_prefix}_streaming",
-        jobs=list(jobs.values()),
+        jobs=[*jobs.values(), *rebuilds.values()],
         minimum_interval_seconds=15,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Keeps one streaming run per (target, group) alive, serving exactly the group's tables: "
@@ -234,7 +253,11 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
             # job is older than the code location (just reloaded) would give the run the old ones.
             requests.append(dg.RunRequest(job_name=job.name,
                                           tags={**group.served_tags, "siphon/started-by": "streaming-sensor"}))
-        for name in set(state) - {jobs[group.key].name for group in groups}:
+        if not stale and clock >= state.get(SWEPT_KEY, 0.0) + sweep_seconds:
+            # Only with definitions that match siphon.yaml: tables the file has but this code does
+            # not know are not removed tables.
+            requests += _sweep_consumers(context, queue, application, configured, live, state, clock, rebuilds)
+        for name in set(state) - {jobs[group.key].name for group in groups} - {SWEPT_KEY, REMOVED_KEY}:
             del state[name]  # a group that no longer exists
         if stale:
             state["siphon.yaml"] = stale
@@ -291,6 +314,63 @@ def _stop_lingering_workers(context: dg.SensorEvaluationContext, application: st
     else:
         state.pop("lingering", None)
     return [run for run, _, _ in lingering]
+
+
+def _sweep_consumers(context: dg.SensorEvaluationContext, resource: NatsResource, application: str,
+                     configured: set[tuple[str, str]], live: list[dg.DagsterRun], state: dict, now: float,
+                     rebuilds: Mapping[str, dg.JobDefinition]) -> list[dg.RunRequest]:
+    """Records and deletes the consumers of tables no longer replicated, and requests the rebuild
+    of a table replicated again (consumer_sweep). An unreachable queue is logged, never fatal."""
+    served = set()
+    for run in live:
+        tables = served_tables(run)
+        if tables is not None:
+            served |= {(tables[0], table) for table in tables[2]}
+        elif run.tags.get(STREAM_TAG):
+            target, _, table = run.tags[STREAM_TAG].partition(":")
+            served.add((target, table))
+    removed: dict[str, float] = dict(state.get(REMOVED_KEY, {}))
+
+    async def sweep() -> SweepPlan:
+        queue = resource.queue(client_name="siphon streaming sensor")
+        await queue.connect(connect_timeout=2.0)
+        try:
+            consumers = table_consumers(await queue.consumers(), application)
+            plan = plan_sweep(consumers, configured, served, removed, now)
+            for consumer in plan.to_delete:
+                await queue.delete_consumer(consumer.name)
+            return plan
+        finally:
+            await queue.close()
+
+    try:
+        plan = asyncio.run(asyncio.wait_for(sweep(), timeout=30.0))
+    except Exception as error:
+        context.log.warning(f"could not look for consumers of tables no longer replicated: {error}")
+        return []
+    state[SWEPT_KEY] = now
+    for consumer in plan.newly_unreplicated:
+        context.log.warning(f"{consumer.qualified_name} is no longer replicated to {consumer.target}: its queue "
+                            f"consumer {consumer.name} is removed once idle; the table at the target is kept")
+        context.instance.report_runless_asset_event(removal_record(consumer))
+        removed[table_id(consumer.target, consumer.qualified_name)] = now
+    for consumer in plan.to_delete:
+        context.log.info(f"removed queue consumer {consumer.name} of {consumer.qualified_name} "
+                         f"({consumer.target}), which is no longer replicated")
+    requests: dict[str, dg.RunRequest] = {}
+    for name in plan.added_again:
+        job = rebuilds.get(name.split(":", 1)[1])
+        if job is None:
+            continue  # kept until this code location has the table's resync job
+        request, record = added_again(name, removed.pop(name), job.name)
+        context.log.warning(f"{record.description}")
+        context.instance.report_runless_asset_event(record)
+        requests.setdefault(job.name, request)
+    if removed:
+        state[REMOVED_KEY] = removed
+    else:
+        state.pop(REMOVED_KEY, None)
+    return list(requests.values())
 
 
 def _serves_group(run: dg.DagsterRun, group: StreamGroup) -> bool:

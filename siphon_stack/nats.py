@@ -46,7 +46,7 @@ def permissions(stream: str = "*", application: str | None = None) -> dict[str, 
         "dagster": {"publish": {"allow": [
             dead_letters, *stream_admin,
             f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.DELETE.{stream}.*",
+            f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.LIST.{stream}", f"$JS.API.CONSUMER.DELETE.{stream}.*",
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>"]},
             "subscribe": {"allow": ["_INBOX.>"]}},
     }

@@ -77,3 +77,23 @@ def test_the_stream_takes_the_configured_consumer_limit_and_a_full_stream_is_nam
             await larger.close()
 
     asyncio.run(run())
+
+
+def test_the_stream_lists_every_consumer_past_a_page_and_deletes_one(nats_url: str, unique_name: str) -> None:
+    async def run() -> None:
+        queue = JetStreamQueue(nats_url, StreamSettings(unique_name))
+        await queue.connect()
+        try:
+            assert await queue.consumers() == []  # before the stream exists
+            await queue.ensure_stream()
+            subject = f"{queue.settings.subjects[0][:-1]}public.t"
+            for i in range(300):  # the server lists 256 at a time
+                await queue.ensure_consumer(f"c{i:03d}", subject)
+            assert sorted(info.name for info in await queue.consumers()) == [f"c{i:03d}" for i in range(300)]
+            assert await queue.delete_consumer("c007") is True
+            assert await queue.delete_consumer("c007") is False
+            assert len(await queue.consumers()) == 299
+        finally:
+            await queue.close()
+
+    asyncio.run(run())

@@ -19,6 +19,7 @@ from siphon_dagster import source
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, dead_run_reason, worker_identity
 from siphon_dagster.sensors import (
+    CONSUMER_SWEEP_SECONDS,
     FAILURE_MEMORY_SECONDS,
     OBSERVED_KEY,
     SOURCE_OBSERVATION_SECONDS,
@@ -535,3 +536,83 @@ def test_streaming_sensor_says_when_the_file_lists_tables_the_location_does_not_
         assert f"tables added: {config.tables[0].schema_name}.newcomer" in stale and "reload or restart it" in stale
         # The run of the tables it was loaded with is still requested.
         assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
+
+
+def _sweep_tick(config, instance: dg.DagsterInstance, now: float, cursor: str | None) -> dg.SensorResult:
+    """A tick of the streaming sensor, with its cursor, as if the clock read `now`."""
+    defs = build_definitions(config)
+    groups = stream_groups(config, table_specs(config))
+    jobs = {group.key: defs.resolve_job_def(group.job_name) for group in groups}
+    resync = {spec.qualified_name: defs.resolve_job_def(naming.resync_job_name(spec.schema, spec.name))
+              for spec in table_specs(config)}
+    sensor = build_streaming_sensor(groups, "later", jobs, failure_threshold=3, now=lambda: now, resync_jobs=resync)
+    return sensor(dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs,
+                                          cursor=cursor))
+
+
+def _consumer_names(config) -> set[str]:
+    async def names() -> set[str]:
+        queue = build_resources(config)["queue"].queue()
+        await queue.connect()
+        try:
+            await queue.ensure_stream()
+            return {info.name for info in await queue.consumers()}
+        finally:
+            await queue.close()
+
+    return asyncio.run(names())
+
+
+def _make_consumers(config, tables: list[str]) -> None:
+    async def make() -> None:
+        queue = build_resources(config)["queue"].queue()
+        await queue.connect()
+        try:
+            await queue.ensure_stream()
+            for table in tables:
+                schema, name = table.split(".")
+                await queue.ensure_consumer(naming.consumer_name("clickhouse", schema, name),
+                                            naming.table_subject(config.application_identifier, schema, name))
+        finally:
+            await queue.close()
+
+    asyncio.run(make())
+
+
+def test_a_removed_tables_consumer_is_recorded_then_deleted_once_idle_and_the_table_added_again_is_rebuilt(config):
+    both = with_tables(config, ["kept", "Gone Ü-1"])
+    schema = table_specs(both)[0].schema
+    kept, gone = f"{schema}.kept", f"{schema}.Gone Ü-1"
+    _make_consumers(both, [kept, gone])  # as the runs of both tables made them
+    gone_consumer = naming.consumer_name("clickhouse", schema, "Gone Ü-1")
+    gone_key = dg.AssetKey(naming.asset_key_path("clickhouse", schema, "Gone Ü-1"))
+    only_kept = with_tables(config, ["kept"])
+    start = time.time()
+    with dg.instance_for_test() as instance:
+        # A run of the old table set still serves the removed table: nothing is recorded yet.
+        old_run = group_run(instance, both)
+        first = _sweep_tick(only_kept, instance, start, None)
+        assert instance.fetch_observations(gone_key, limit=5).records == []
+        instance.report_run_canceled(old_run)
+        # Swept again 5 minutes on: the removal is recorded on the table's asset; the consumer,
+        # active a moment ago, stays for now.
+        second = _sweep_tick(only_kept, instance, start + CONSUMER_SWEEP_SECONDS, first.cursor)
+        records = instance.fetch_observations(gone_key, limit=5).records
+        assert len(records) == 1 and "no longer replicated" in records[0].asset_observation.description
+        assert gone_consumer in _consumer_names(both)
+        # Idle for 10 minutes: deleted. The configured table's consumer is never touched, nor
+        # is the removal recorded twice.
+        third = _sweep_tick(only_kept, instance, start + 3 * CONSUMER_SWEEP_SECONDS, second.cursor)
+        names = _consumer_names(both)
+        assert gone_consumer not in names and naming.consumer_name("clickhouse", schema, "kept") in names
+        assert len(instance.fetch_observations(gone_key, limit=5).records) == 1
+        assert [r for r in third.run_requests if r.job_name.startswith("resync_")] == []
+        # The table is configured again: it missed every change made meanwhile, so it is rebuilt.
+        again = _sweep_tick(both, instance, start + 4 * CONSUMER_SWEEP_SECONDS, third.cursor)
+        resync = [r for r in again.run_requests if r.job_name == naming.resync_job_name(schema, "Gone Ü-1")]
+        assert len(resync) == 1 and resync[0].run_key
+        latest = instance.fetch_observations(gone_key, limit=1).records[0].asset_observation
+        assert "again" in latest.description and "resync" in latest.description
+        # Requested once: the next sweep has nothing more to say about it.
+        later = _sweep_tick(both, instance, start + 5 * CONSUMER_SWEEP_SECONDS, again.cursor)
+        assert [r for r in later.run_requests if r.job_name.startswith("resync_")] == []
