@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from siphon_core import naming, queue
 from siphon_dagster import source
+from siphon_dagster.streaming.interrupts import run_interruptibly
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ def wait_until_applied(watch: StreamWatch, lsn: int, timeout: float, interval: f
                               f"the producer has not stored every change before {wanted} in the queue within "
                               f"{timeout:.0f}s (slot {watch.slot} {where}): is siphon-producer running?")
         time.sleep(interval)
-    return asyncio.run(_wait_for_consumer(watch, wanted, started, deadline, interval))
+    # A check run terminated while it waits stops waiting (see streaming/interrupts.py).
+    return run_interruptibly(_wait_for_consumer(watch, wanted, started, deadline, interval))
 
 
 async def _wait_for_consumer(watch: StreamWatch, wanted: str, started: float, deadline: float,
