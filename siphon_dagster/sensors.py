@@ -36,6 +36,7 @@ from siphon_dagster.stream_groups import (
     lingering_streaming_runs,
     live_streaming_runs,
     served_tables,
+    tables_hash,
 )
 from siphon_dagster.targets.base import TableSchema
 
@@ -48,6 +49,7 @@ OBSERVED_KEY = "_observed"  # in the cursor: table -> [when last observed, diges
 # the stream's consumers: a few requests for hundreds of tables).
 CONSUMER_SWEEP_SECONDS = 300.0
 SWEPT_KEY = "_consumers_swept_at"  # in the streaming sensor's cursor
+SWEPT_TABLES_KEY = "_consumers_swept_for"  # in it too: a digest of the (target, table) pairs swept for
 REMOVED_KEY = "_unreplicated"  # in it too: table id -> when it was recorded as no longer replicated
 
 
@@ -193,6 +195,7 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
     by_key = {group.key: group for group in groups}
     rebuilds = dict(resync_jobs or {})
     configured = {(group.target, table) for group in groups for table in group.tables}
+    configured_digest = tables_hash([f"{target}:{table}" for target, table in configured])
 
     @dg.sensor(
         name=f"{sensor_prefix}_streaming",
@@ -253,11 +256,17 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
             # job is older than the code location (just reloaded) would give the run the old ones.
             requests.append(dg.RunRequest(job_name=job.name,
                                           tags={**group.served_tags, "siphon/started-by": "streaming-sensor"}))
-        if not stale and clock >= state.get(SWEPT_KEY, 0.0) + sweep_seconds:
+        # Swept every sweep_seconds, and at once when the tables changed (a table added again is
+        # rebuilt without waiting for the next sweep).
+        if not stale and (clock >= state.get(SWEPT_KEY, 0.0) + sweep_seconds
+                          or state.get(SWEPT_TABLES_KEY) != configured_digest):
             # Only with definitions that match siphon.yaml: tables the file has but this code does
             # not know are not removed tables.
             requests += _sweep_consumers(context, queue, application, configured, live, state, clock, rebuilds)
-        for name in set(state) - {jobs[group.key].name for group in groups} - {SWEPT_KEY, REMOVED_KEY}:
+            if state.get(SWEPT_KEY) == clock:  # swept (an unreachable queue is tried again next tick)
+                state[SWEPT_TABLES_KEY] = configured_digest
+        for name in set(state) - {jobs[group.key].name for group in groups} - {SWEPT_KEY, SWEPT_TABLES_KEY,
+                                                                                REMOVED_KEY}:
             del state[name]  # a group that no longer exists
         if stale:
             state["siphon.yaml"] = stale

@@ -607,8 +607,9 @@ def test_a_removed_tables_consumer_is_recorded_then_deleted_once_idle_and_the_ta
         assert gone_consumer not in names and naming.consumer_name("clickhouse", schema, "kept") in names
         assert len(instance.fetch_observations(gone_key, limit=5).records) == 1
         assert [r for r in third.run_requests if r.job_name.startswith("resync_")] == []
-        # The table is configured again: it missed every change made meanwhile, so it is rebuilt.
-        again = _sweep_tick(both, instance, start + 4 * CONSUMER_SWEEP_SECONDS, third.cursor)
+        # The table is configured again: it missed every change made meanwhile, so it is rebuilt,
+        # at the first tick that knows the new table list, not at the next 5-minute sweep.
+        again = _sweep_tick(both, instance, start + 3 * CONSUMER_SWEEP_SECONDS + 15, third.cursor)
         resync = [r for r in again.run_requests if r.job_name == naming.resync_job_name(schema, "Gone Ü-1")]
         assert len(resync) == 1 and resync[0].run_key
         latest = instance.fetch_observations(gone_key, limit=1).records[0].asset_observation
