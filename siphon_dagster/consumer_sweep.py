@@ -29,6 +29,9 @@ UNREPLICATED_METADATA = "siphon/unreplicated"
 # Metadata of the observation that answers it when the table is replicated again.
 READDED_METADATA = "siphon/added-again"
 READDED_TAG = "siphon/added-again"  # on the resync run requested: the removal record's storage id
+# Observations of a target asset read for a removal record a reset cursor forgot (the snapshot
+# sensor records a few state changes of its own once the table is back).
+_OBSERVATIONS_READ = 20
 # A removed table's consumer is kept this long after its last delivery or ack: the run that
 # served it ends first, and a table put back at once keeps its place.
 IDLE_BEFORE_REMOVAL_SECONDS = 600.0
@@ -126,15 +129,32 @@ def removal_record(consumer: TableConsumer) -> dg.AssetObservation:
                   "acked_stream_sequence": consumer.acked_sequence, "pending_messages": consumer.pending})
 
 
-def added_again(name: str, removed_at: float, resync_job: str) -> tuple[dg.RunRequest, dg.AssetObservation]:
+def added_again(target: str, schema: str, table: str, removed_at: float,
+                resync_job: str) -> tuple[dg.RunRequest, dg.AssetObservation]:
     """The resync run of a table replicated again after it was removed, and its record."""
-    target, qualified = name.split(":", 1)
-    schema, table = qualified.split(".", 1)
+    name = table_id(target, f"{schema}.{table}")
     request = dg.RunRequest(job_name=resync_job, run_key=f"added-again-{name}-{removed_at:.0f}",
                             tags={READDED_TAG: name})
     record = dg.AssetObservation(
         asset_key=dg.AssetKey(naming.asset_key_path(target, schema, table)),
-        description=(f"{qualified} is replicated to {target} again after it was removed: {resync_job} requested "
-                     "to rebuild it, as changes made meanwhile never reached the queue"),
+        description=(f"{schema}.{table} is replicated to {target} again after it was removed: {resync_job} "
+                     "requested to rebuild it, as changes made meanwhile never reached the queue"),
         metadata={READDED_METADATA: True, "removed_at": removed_at, "action": f"resync requested: {resync_job}"})
     return request, record
+
+
+def forgotten_removal(instance: dg.DagsterInstance, target: str, schema: str, table: str) -> float | None:
+    """For a sensor whose cursor was reset: when the table's latest observations at the target hold
+    a removal record that nothing answered since (a record of its return, a load), the record's
+    time; otherwise None."""
+    asset_key = dg.AssetKey(naming.asset_key_path(target, schema, table))
+    for record in instance.fetch_observations(asset_key, limit=_OBSERVATIONS_READ).records:  # newest first
+        metadata = record.asset_observation.metadata if record.asset_observation is not None else {}
+        if READDED_METADATA in metadata:
+            return None
+        if UNREPLICATED_METADATA in metadata:
+            loaded = instance.get_latest_materialization_event(asset_key)
+            if loaded is not None and loaded.storage_id is not None and loaded.storage_id > record.storage_id:
+                return None
+            return record.timestamp
+    return None

@@ -17,6 +17,7 @@ from siphon_dagster.config_drift import ConfigDrift
 from siphon_dagster.consumer_sweep import (
     SweepPlan,
     added_again,
+    forgotten_removal,
     plan_sweep,
     removal_record,
     table_consumers,
@@ -50,6 +51,7 @@ OBSERVED_KEY = "_observed"  # in the cursor: table -> [when last observed, diges
 CONSUMER_SWEEP_SECONDS = 300.0
 SWEPT_KEY = "_consumers_swept_at"  # in the streaming sensor's cursor
 SWEPT_TABLES_KEY = "_consumers_swept_for"  # in it too: a digest of the (target, table) pairs swept for
+REMOVALS_READ_KEY = "_removals_read"  # in it too: the tables' assets were read for removal records
 REMOVED_KEY = "_unreplicated"  # in it too: table id -> when it was recorded as no longer replicated
 
 
@@ -259,14 +261,16 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
         # Swept every sweep_seconds, and at once when the tables changed (a table added again is
         # rebuilt without waiting for the next sweep).
         if not stale and (clock >= state.get(SWEPT_KEY, 0.0) + sweep_seconds
-                          or state.get(SWEPT_TABLES_KEY) != configured_digest):
+                          or state.get(SWEPT_TABLES_KEY) != configured_digest
+                          or (REMOVALS_READ_KEY not in state and not requests)):
             # Only with definitions that match siphon.yaml: tables the file has but this code does
             # not know are not removed tables.
-            requests += _sweep_consumers(context, queue, application, configured, live, state, clock, rebuilds)
+            requests += _sweep_consumers(context, queue, application, groups, live, state, clock, rebuilds,
+                                         quiet=not requests)
             if state.get(SWEPT_KEY) == clock:  # swept (an unreachable queue is tried again next tick)
                 state[SWEPT_TABLES_KEY] = configured_digest
         for name in set(state) - {jobs[group.key].name for group in groups} - {SWEPT_KEY, SWEPT_TABLES_KEY,
-                                                                                REMOVED_KEY}:
+                                                                                REMOVED_KEY, REMOVALS_READ_KEY}:
             del state[name]  # a group that no longer exists
         if stale:
             state["siphon.yaml"] = stale
@@ -326,15 +330,19 @@ def _stop_lingering_workers(context: dg.SensorEvaluationContext, application: st
 
 
 def _sweep_consumers(context: dg.SensorEvaluationContext, resource: NatsResource, application: str,
-                     configured: set[tuple[str, str]], live: list[dg.DagsterRun], state: dict, now: float,
-                     rebuilds: Mapping[str, dg.JobDefinition]) -> list[dg.RunRequest]:
+                     groups: list[StreamGroup], live: list[dg.DagsterRun], state: dict, now: float,
+                     rebuilds: Mapping[str, dg.JobDefinition], quiet: bool) -> list[dg.RunRequest]:
     """Records and deletes the consumers of tables no longer replicated, and requests the rebuild
-    of a table replicated again (consumer_sweep). An unreachable queue is logged, never fatal."""
+    of a table replicated again (consumer_sweep). An unreachable queue is logged, never fatal.
+    `quiet`: the tick starts no run, so it may read every table's observations once."""
+    tables = {table_id(group.target, spec.qualified_name): (group.target, spec)
+              for group in groups for spec in group.specs}
+    configured = {(target, spec.qualified_name) for target, spec in tables.values()}
     served = set()
     for run in live:
-        tables = served_tables(run)
-        if tables is not None:
-            served |= {(tables[0], table) for table in tables[2]}
+        of_run = served_tables(run)
+        if of_run is not None:
+            served |= {(of_run[0], table) for table in of_run[2]}
         elif run.tags.get(STREAM_TAG):
             target, _, table = run.tags[STREAM_TAG].partition(":")
             served.add((target, table))
@@ -366,12 +374,25 @@ def _sweep_consumers(context: dg.SensorEvaluationContext, resource: NatsResource
     for consumer in plan.to_delete:
         context.log.info(f"removed queue consumer {consumer.name} of {consumer.qualified_name} "
                          f"({consumer.target}), which is no longer replicated")
+    again = {name: removed[name] for name in plan.added_again}
+    if REMOVALS_READ_KEY not in state and quiet:
+        # A cursor without the list (new, or reset): the tables' assets tell which were removed and
+        # not rebuilt. A read of every table's observations (seconds for hundreds of tables), so not
+        # in a tick that starts runs.
+        state[REMOVALS_READ_KEY] = True
+        for name, (target, spec) in tables.items():
+            if name not in again:
+                at = forgotten_removal(context.instance, target, spec.schema, spec.name)
+                if at is not None:
+                    again[name] = at
     requests: dict[str, dg.RunRequest] = {}
-    for name in plan.added_again:
-        job = rebuilds.get(name.split(":", 1)[1])
+    for name, removed_at in again.items():
+        target, spec = tables[name]
+        job = rebuilds.get(spec.qualified_name)
         if job is None:
             continue  # kept until this code location has the table's resync job
-        request, record = added_again(name, removed.pop(name), job.name)
+        removed.pop(name, None)
+        request, record = added_again(target, spec.schema, spec.name, removed_at, job.name)
         context.log.warning(f"{record.description}")
         context.instance.report_runless_asset_event(record)
         requests.setdefault(job.name, request)

@@ -614,6 +614,30 @@ def test_a_removed_tables_consumer_is_recorded_then_deleted_once_idle_and_the_ta
         assert len(resync) == 1 and resync[0].run_key
         latest = instance.fetch_observations(gone_key, limit=1).records[0].asset_observation
         assert "again" in latest.description and "resync" in latest.description
-        # Requested once: the next sweep has nothing more to say about it.
+        # Requested once: the next sweep has nothing more to say about it, nor does one whose
+        # cursor was reset (the asset records that the table came back).
         later = _sweep_tick(both, instance, start + 5 * CONSUMER_SWEEP_SECONDS, again.cursor)
         assert [r for r in later.run_requests if r.job_name.startswith("resync_")] == []
+        group_run(instance, both)  # streaming: the reset cursor's tick below starts nothing, so it reads the records
+        reset = _sweep_tick(both, instance, start + 6 * CONSUMER_SWEEP_SECONDS, None)
+        assert reset.run_requests == [] and json.loads(reset.cursor).get("_removals_read") is True
+
+
+def test_a_table_added_again_is_rebuilt_even_when_the_sensors_cursor_was_reset_meanwhile(config):
+    both = with_tables(config, ["kept", "back"])
+    schema = table_specs(both)[0].schema
+    _make_consumers(both, [f"{schema}.kept", f"{schema}.back"])
+    only_kept = with_tables(config, ["kept"])
+    start = time.time()
+    with dg.instance_for_test() as instance:
+        _sweep_tick(only_kept, instance, start, None)  # the removal is recorded on the asset
+        key = dg.AssetKey(naming.asset_key_path("clickhouse", schema, "back"))
+        assert "no longer replicated" in instance.fetch_observations(key, limit=1).records[0].asset_observation.description
+        # The table comes back under a sensor that lost its cursor (renamed, reset by hand). A tick
+        # that starts the streaming run leaves the read of every table's records to a later one.
+        starting = _sweep_tick(both, instance, start + 60, None)
+        assert [r.job_name for r in starting.run_requests] == [streaming_job_name(both)]
+        group_run(instance, both)
+        again = _sweep_tick(both, instance, start + 75, starting.cursor)
+        assert [r.job_name for r in again.run_requests] == [naming.resync_job_name(schema, "back")]
+        assert _sweep_tick(both, instance, start + 90, again.cursor).run_requests == []
