@@ -28,7 +28,7 @@ from siphon_core.config import TARGET_NAMES
 UNREPLICATED_METADATA = "siphon/unreplicated"
 # Metadata of the observation that answers it when the table is replicated again.
 READDED_METADATA = "siphon/added-again"
-READDED_TAG = "siphon/added-again"  # on the resync run requested: the removal record's storage id
+READDED_TAG = "siphon/added-again"  # on the resync run requested: the table id (`<target>:<schema>.<table>`)
 # Observations of a target asset read for a removal record a reset cursor forgot (the snapshot
 # sensor records a few state changes of its own once the table is back).
 _OBSERVATIONS_READ = 20

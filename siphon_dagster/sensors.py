@@ -196,8 +196,7 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
     application = groups[0].specs[0].tags[APPLICATION_TAG]
     by_key = {group.key: group for group in groups}
     rebuilds = dict(resync_jobs or {})
-    configured = {(group.target, table) for group in groups for table in group.tables}
-    configured_digest = tables_hash([f"{target}:{table}" for target, table in configured])
+    configured_digest = tables_hash([f"{group.target}:{table}" for group in groups for table in group.tables])
 
     @dg.sensor(
         name=f"{sensor_prefix}_streaming",
