@@ -59,11 +59,23 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             for warning in aggregate.warnings:
                 context.log.warning(f"{aggregate.table}: {warning}")
 
+        # Tables whose batch found no table at the target and made it, named in one log line a tick:
+        # a first start of hundreds of new tables made as many lines, each a write to the event log
+        # on the reporting thread while the run's tables were starting. Each table's asset still
+        # gets its own observation at once (the snapshot sensor's signal).
+        made: list[str] = []
+
+        def log_made() -> None:
+            if made:
+                names = sorted(made)
+                made.clear()
+                context.log.info(f"no table at {group.target} for {len(names)} table(s), so the stream made them and the "
+                                 f"snapshot sensor loads them again: {', '.join(names)}")
+
         def on_batch(report: BatchReport) -> None:
             stream_metrics.record_batch(group.target, report.table, report)
             if report.created_table:
-                context.log.info(f"{report.table}: no table at {group.target}; the stream made it and the "
-                                 "snapshot sensor loads it again")
+                made.append(report.table)
                 context.log_event(made_anew(specs[report.table].target_key(group.target),
                                             f"{report.table} at {group.target}"))
             aggregate = limiter.add(report, time.monotonic())
@@ -117,6 +129,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             return consumer
 
         def tick() -> None:
+            log_made()
             for aggregate in limiter.due(time.monotonic()):
                 materialize(aggregate)
             spark.stop_if_idle()
@@ -140,6 +153,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             else:
                 summary = runner.run(stop_when_drained=config.stop_when_drained)
         finally:
+            log_made()
             for aggregate in limiter.flush(time.monotonic()):
                 materialize(aggregate)
             for target in [*targets.values(), *opened]:

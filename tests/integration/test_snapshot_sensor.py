@@ -449,10 +449,14 @@ def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(a
         op = f"apply_clickhouse_{naming.job_suffix(app.schema, 'items')}"
     job = build_definitions(config).resolve_job_def(job_name)
 
+    made_lines: list[str] = []
+
     def drain(instance):
         result = job.execute_in_process(run_config={"ops": {op: {"config": {"stop_when_drained": True}}}},
                                         instance=instance)
         assert result.success
+        made_lines.extend(entry.user_message for entry in instance.all_logs(result.run_id)
+                          if "no table at clickhouse" in entry.user_message)
         return [event.event_specific_data.asset_observation for event in result.all_events
                 if event.event_type_value == "ASSET_OBSERVATION"]
 
@@ -470,6 +474,9 @@ def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(a
         [observation] = drain(instance)
         assert observation.metadata[DROPPED_METADATA].value is True
         assert "the stream made it" in observation.description
+        # The run's log says so once, naming the table (a group run names every table it made in one line).
+        [line] = made_lines
+        assert f"{app.schema}.items" in line, line
 
         again = harness.tick()
         assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
