@@ -25,10 +25,15 @@ class FakesnowServer:
     def start(self, timeout: float = 60.0) -> int:
         databases = self.root / "databases"
         databases.mkdir(parents=True, exist_ok=True)
+        # fakesnow keeps a stage's files in a directory it makes under TMPDIR when imported and
+        # never removes: inside the server's root, they go when the stack's directory goes.
+        scratch = self.root / "tmp"
+        scratch.mkdir(parents=True, exist_ok=True)
         process = start_process(
             "fakesnow",
             [sys.executable, "-m", "siphon_stack.fakesnow_server", "-s", "--host", "127.0.0.1", "-p", str(self.port), "-d", str(databases)],
             self.log_path,
+            env={"TMPDIR": str(scratch)},
         )
         wait_until("fakesnow", lambda: port_accepts(self.port), timeout, pid=process.pid, log_path=self.log_path)
         return process.pid

@@ -117,3 +117,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/integration" in str(Path(str(item.fspath))):
             item.add_marker(pytest.mark.integration)
+
+
+def pytest_sessionfinish() -> None:
+    # Importing fakesnow (as the tests of its server's patches do) makes a stage directory under
+    # the system's temporary directory that fakesnow never removes.
+    stage = sys.modules.get("fakesnow.transforms.stage")
+    if stage is not None:
+        shutil.rmtree(stage.LOCAL_BUCKET_PATH, ignore_errors=True)
