@@ -1,4 +1,4 @@
-"""`siphon-dagster partitions refresh|list`, `target drop`, `check`, and `snapshot|resync|repair` (see cli_runs).
+"""`siphon-dagster partitions refresh|list`, `target drop`, `check`, `status`, and `snapshot|resync|repair` (see cli_runs).
 
 `partitions refresh` adds the partitions of every table's current size to the Dagster instance
 (what the partitions sensor does every minute), so a fresh instance can materialize from the CLI at
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 
 import dagster as dg
 import psycopg
@@ -60,6 +61,15 @@ def _main(argv: list[str] | None = None) -> int:
     checks = sub.add_parser("check", help="run the asset checks through Dagster and print one line per check")
     checks.add_argument("--table", help="schema.table (default: every table)")
     checks.add_argument("--target", help="clickhouse or snowflake (default: every target of the table)")
+    # -- status ----------------------------------------------------------------------------------
+    status = sub.add_parser("status", help="every table at every target in a line: streaming, lag, snapshot state, "
+                                           "checks; exit 1 when one needs attention")
+    status.add_argument("--table", help="schema.table (default: every table)")
+    status.add_argument("--target", help="clickhouse or snowflake (default: every target of the table)")
+    status.add_argument("--problems", action="store_true", help="only the tables that need attention")
+    status.add_argument("--max-lag-seconds", type=float, default=300.0,
+                        help="a table whose latest batch was further behind the source needs attention (default 300)")
+    status.add_argument("--json", action="store_true", help="a JSON object per table instead of columns")
     # -------------------------------------------------------------------------------------------
     args = parser.parse_args(argv)
     try:
@@ -74,6 +84,8 @@ def _main(argv: list[str] | None = None) -> int:
         return check_main(config, build_definitions(config), args.table, args.target)
     if args.command in RUN_COMMANDS:
         return run_command(args, config)
+    if args.command == "status":
+        return _status(config, args)
     specs = table_specs(config)
     if args.table:
         specs = [s for s in specs if s.qualified_name == args.table]
@@ -105,6 +117,28 @@ def _main(argv: list[str] | None = None) -> int:
             for key in keys:
                 print(f"  {key}")
     return 0
+
+
+def _status(config: SiphonConfig, args: argparse.Namespace) -> int:
+    from siphon_dagster.checks.command import selected_keys
+    from siphon_dagster.status import read_statuses, render_json, render_lines, summary_line
+
+    try:
+        selected_keys(config, args.table, args.target)  # names an unknown table or target
+    except ValueError as error:
+        print(f"siphon-dagster: {error}", file=sys.stderr)
+        return 2
+    if args.max_lag_seconds <= 0:
+        print(f"siphon-dagster: --max-lag-seconds must be above 0, not {args.max_lag_seconds:g}", file=sys.stderr)
+        return 2
+    specs = [s for s in table_specs(config) if args.table in (None, s.qualified_name)]
+    now = time.time()
+    statuses = read_statuses(dg.DagsterInstance.get(), specs, None if args.target is None else [args.target],
+                             max_lag_seconds=args.max_lag_seconds, now=now)
+    shown = [s for s in statuses if not s.ok] if args.problems else statuses
+    for line in render_json(shown) if args.json else [*render_lines(shown, now), summary_line(statuses)]:
+        print(line)
+    return 0 if all(s.ok for s in statuses) else 1
 
 
 def _drop_target_table(config: SiphonConfig, spec: TableSpec, target: str) -> int:

@@ -15,6 +15,7 @@ from siphon_core.config import TableConfig
 from siphon_dagster.run_liveness import WORKER_TAG, in_step_process, stop_when_orphaned, worker_identity
 from siphon_dagster.stream_groups import StreamGroup
 from siphon_dagster.streaming.materializations import AggregatedBatches
+from siphon_dagster.table_state import STREAM_STOPPED
 
 
 class GroupRunConfig(dg.Config):
@@ -90,7 +91,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             context.log.error(message)
             context.log_event(dg.AssetObservation(
                 asset_key=spec.target_key(group.target),
-                description=f"streaming stopped: {type(failure.error).__name__}",
+                description=f"{STREAM_STOPPED}: {type(failure.error).__name__}",
                 metadata={"error": dg.MetadataValue.md(str(failure.error)), "attempt": failure.attempt,
                           "retry_in_seconds": -1.0 if failure.retry_in_seconds is None
                           else round(failure.retry_in_seconds, 1),

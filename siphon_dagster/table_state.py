@@ -73,6 +73,8 @@ class TableState:
 
 
 NOT_STREAMING = "not running"
+# How a group run's observation on a table's asset begins when the table's stream stopped on an error.
+STREAM_STOPPED = "streaming stopped"
 
 
 def streaming_states(instance: dg.DagsterInstance, application_tag: str) -> dict[tuple[str, str], str]:
@@ -116,26 +118,32 @@ def latest_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> dict[s
 
 
 def check_results(instance: dg.DagsterInstance, check_keys: Sequence[dg.AssetCheckKey]) -> dict[str, str]:
-    """Each check's latest execution: passed, failed (with its severity), or running."""
+    """Each check of one asset by name: its latest execution, as `latest_check_results` says it."""
+    return {key.name: result for key, result in latest_check_results(instance, check_keys).items()}
+
+
+def latest_check_results(instance: dg.DagsterInstance, check_keys: Sequence[dg.AssetCheckKey]
+                         ) -> dict[dg.AssetCheckKey, str]:
+    """Each check's latest execution: passed, failed (with its severity), or running; one query."""
     if not check_keys:
         return {}
     latest = instance.event_log_storage.get_latest_asset_check_execution_by_key(list(check_keys))
-    results: dict[str, str] = {}
+    results: dict[dg.AssetCheckKey, str] = {}
     for key in check_keys:
         record = latest.get(key)
         if record is None:
-            results[key.name] = "never run"
+            results[key] = "never run"
             continue
         evaluation = None
         if record.event is not None and record.event.dagster_event is not None \
                 and record.event.dagster_event.event_type == dg.DagsterEventType.ASSET_CHECK_EVALUATION:
             evaluation = record.event.dagster_event.asset_check_evaluation_data
         if evaluation is None:
-            results[key.name] = record.status.value.lower()
+            results[key] = record.status.value.lower()
         elif evaluation.passed:
-            results[key.name] = "passed"
+            results[key] = "passed"
         else:
-            results[key.name] = f"failed ({evaluation.severity.value.lower()})"
+            results[key] = f"failed ({evaluation.severity.value.lower()})"
     return results
 
 

@@ -1,0 +1,213 @@
+"""`siphon-dagster status`: every table at every target in one line, and what needs an operator.
+
+With hundreds of tables the UI shows one asset at a time; this reads the same records (the
+instance of DAGSTER_HOME, no service is contacted) for all of them at once: whether a live run
+streams the table, its latest batch (when, its lag, messages still pending), the snapshot state the
+snapshot sensor recorded on the asset, and each check's latest result. A table needs attention
+when no live run streams it, its stream stopped on an error, it is behind by more than
+`max_lag_seconds`, a snapshot partition failed for good, or a check failed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import dagster as dg
+
+from siphon_core import naming
+from siphon_dagster.checks.definitions import check_keys
+from siphon_dagster.specs import TableSpec
+from siphon_dagster.stream_groups import APPLICATION_TAG, STREAM_TAG, live_streaming_runs, served_tables
+from siphon_dagster.table_state import NOT_STREAMING, STREAM_STOPPED, latest_check_results
+
+# Observations looked through for the latest state and the latest stop: other observations (a
+# table made anew, a drop) come between them only now and then.
+_OBSERVATIONS_READ = 20
+# Materializations looked through for the latest batch: snapshot partitions' come between batches.
+_MATERIALIZATIONS_READ = 25
+DEAD_WORKER = "no live worker"
+
+
+@dataclass
+class TableStatus:
+    target: str
+    table: str  # schema.table, as in siphon.yaml
+    asset: str  # the target asset's key as the UI spells it
+    streaming: str  # "running in <run>", "starting in <run>", "no live worker in <run>" or "not running"
+    worker_gone: str | None = None  # why the serving run has no live worker
+    last_batch_at: float | None = None  # the latest streaming batch's materialization (rate-limited)
+    lag_seconds: float | None = None
+    pending_messages: int | None = None
+    state: str = "no state recorded yet"  # the snapshot sensor's line: "loaded", "snapshotting: ..."
+    checks: dict[str, str] = field(default_factory=dict)
+    stopped: str | None = None  # the error the stream stopped on, since its latest batch
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def read_statuses(instance: dg.DagsterInstance, specs: Sequence[TableSpec], targets: Sequence[str] | None = None,
+                  max_lag_seconds: float = 300.0, now: float | None = None) -> list[TableStatus]:
+    """The status of each (table, target) of `specs`, `targets` narrowing the targets."""
+    now = time.time() if now is None else now
+    pairs = [(spec, target) for spec in specs for target in spec.targets if targets is None or target in targets]
+    runs = _streaming_runs(instance, specs[0].tags[APPLICATION_TAG], now) if specs else {}
+    keys = {(spec.qualified_name, target): check_keys(spec, target) for spec, target in pairs}
+    latest_checks = latest_check_results(instance, [key for ks in keys.values() for key in ks])
+    statuses = []
+    for spec, target in pairs:
+        asset_key = spec.target_key(target)
+        streaming, worker_gone = runs.get((target, spec.qualified_name), (NOT_STREAMING, None))
+        status = TableStatus(target=target, table=spec.qualified_name,
+                             asset=naming.asset_path_text(target, spec.schema, spec.name),
+                             streaming=streaming, worker_gone=worker_gone)
+        status.checks = {key.name: latest_checks[key] for key in keys[(spec.qualified_name, target)]}
+        _read_batch(instance, asset_key, status)
+        _read_observations(instance, asset_key, status)
+        status.problems = problems(status, max_lag_seconds, now)
+        statuses.append(status)
+    return statuses
+
+
+def _streaming_runs(instance: dg.DagsterInstance, application_tag: str, now: float
+                    ) -> dict[tuple[str, str], tuple[str, str | None]]:
+    """(target, table) -> how the application's in-progress streaming runs serve it ("running in
+    <run>", "starting in <run>", "no live worker in <run>"), and why that run's worker is gone."""
+    served: dict[tuple[str, str], tuple[str, str | None]] = {}
+    for run, dead_reason in live_streaming_runs(instance, application_tag, now):
+        group = served_tables(run)
+        if group is not None:
+            target, _, tables = group
+        else:
+            target, _, table = run.tags[STREAM_TAG].partition(":")
+            tables = {table}
+        short = run.run_id[:8]
+        if dead_reason is not None:
+            state = f"{DEAD_WORKER} in {short}"
+        elif run.status == dg.DagsterRunStatus.STARTED:
+            state = f"running in {short}"
+        else:
+            state = f"{run.status.value.lower()} in {short}"
+        for name in tables:
+            # A live run wins over one whose worker is gone, a started run over a starting one.
+            if not served.get((target, name), ("", None))[0].startswith("running"):
+                served[(target, name)] = (state, dead_reason)
+    return served
+
+
+def _read_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey, status: TableStatus) -> None:
+    for record in instance.fetch_materializations(asset_key, limit=_MATERIALIZATIONS_READ).records:
+        materialization = record.asset_materialization
+        if materialization is None or "applied_lsn" not in materialization.metadata:
+            continue  # a snapshot partition's
+        metadata = materialization.metadata
+        status.last_batch_at = record.timestamp
+        if "lag_seconds" in metadata:
+            status.lag_seconds = float(metadata["lag_seconds"].value)  # type: ignore[arg-type]
+        if "pending_messages" in metadata:
+            status.pending_messages = int(metadata["pending_messages"].value)  # type: ignore[arg-type]
+        return
+
+
+def _read_observations(instance: dg.DagsterInstance, asset_key: dg.AssetKey, status: TableStatus) -> None:
+    state_seen = stop_seen = False
+    for record in instance.fetch_observations(asset_key, limit=_OBSERVATIONS_READ).records:
+        observation = record.asset_observation
+        if observation is None:
+            continue
+        if not state_seen and "siphon/state" in observation.metadata:
+            status.state = str(observation.metadata["siphon/state"].value)
+            state_seen = True
+        if not stop_seen and (observation.description or "").startswith(STREAM_STOPPED):
+            stop_seen = True
+            # A batch applied after the stop means the table streams again.
+            if status.last_batch_at is None or record.timestamp > status.last_batch_at:
+                error = observation.metadata.get("error")
+                status.stopped = str(error.value) if error is not None else observation.description
+        if state_seen and stop_seen:
+            return
+
+
+def problems(status: TableStatus, max_lag_seconds: float, now: float) -> list[str]:
+    """Why the table needs an operator; empty when it does not."""
+    found = []
+    if status.streaming == NOT_STREAMING:
+        found.append("not streaming: no run serves it (the streaming sensor starts one while it is running)")
+    elif status.worker_gone is not None:
+        found.append(f"not streaming: run {status.streaming.rsplit(' ', 1)[-1]} has no live worker "
+                     f"({status.worker_gone}); the streaming sensor replaces it")
+    if status.stopped is not None:
+        found.append(f"its stream stopped: {status.stopped}")
+    if status.lag_seconds is not None and status.lag_seconds > max_lag_seconds:
+        found.append(f"behind: its latest batch was {status.lag_seconds:.0f}s behind the source")
+    if status.last_batch_at is not None and status.pending_messages and now - status.last_batch_at > max_lag_seconds:
+        found.append(f"stalled: no batch for {now - status.last_batch_at:.0f}s with {status.pending_messages} "
+                     "message(s) pending")
+    if "failed after" in status.state:
+        found.append(f"snapshot: {status.state}")
+    failed = sorted(name for name, result in status.checks.items() if result.startswith("failed"))
+    if failed:
+        found.append("check(s) failed: " + ", ".join(f"{name} {status.checks[name]}" for name in failed))
+    return found
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.0f}h ago"
+
+
+def _clipped(text: str, width: int = 56) -> str:
+    """A long state in the column (a failure lists partitions); the problem line holds it whole."""
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _checks_text(checks: dict[str, str]) -> str:
+    if not checks:
+        return "-"
+    # Failures by name, the rest counted: four checks a table, hundreds of tables.
+    failed = [f"{name} {result}" for name, result in sorted(checks.items()) if result.startswith("failed")]
+    counts: dict[str, int] = {}
+    for result in checks.values():
+        if not result.startswith("failed"):
+            counts[result] = counts.get(result, 0) + 1
+    return ", ".join(failed + [f"{count} {result}" for result, count in sorted(counts.items())])
+
+
+def render_lines(statuses: Sequence[TableStatus], now: float) -> list[str]:
+    """A column-aligned line per table, its problems indented beneath it."""
+    header = ("STATUS", "ASSET", "STREAMING", "LAST BATCH", "LAG", "PENDING", "STATE", "CHECKS")
+    rows = [("OK" if s.ok else "ATTN", s.asset, s.streaming,
+             _ago(None if s.last_batch_at is None else now - s.last_batch_at),
+             "-" if s.lag_seconds is None else f"{s.lag_seconds:.1f}s",
+             "-" if s.pending_messages is None else str(s.pending_messages),
+             _clipped(s.state), _checks_text(s.checks)) for s in statuses]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[-1]]).rstrip()
+
+    lines = [line(header)]
+    for status, row in zip(statuses, rows, strict=True):
+        lines.append(line(row))
+        lines.extend(f"    - {problem}" for problem in status.problems)
+    return lines
+
+
+def summary_line(statuses: Sequence[TableStatus]) -> str:
+    attention = sum(1 for s in statuses if not s.ok)
+    return f"{attention} of {len(statuses)} table(s) at their targets need attention"
+
+
+def render_json(statuses: Sequence[TableStatus]) -> list[str]:
+    """A JSON object per table, for scripts and alerting."""
+    return [json.dumps({**asdict(s), "ok": s.ok}, sort_keys=True) for s in statuses]
