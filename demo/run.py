@@ -144,6 +144,7 @@ Siphon demo is running.
   run the checks:    .venv/bin/siphon-dagster check
   repair a table:    .venv/bin/siphon-dagster repair --table public.notes
   rebuild a table:   .venv/bin/siphon-dagster resync --table public.notes
+  tables' states:    .venv/bin/siphon-dagster status
 A workload commits about {args.rate:.0f} transactions per second. The snapshot sensor is loading every
 partition of every table (runs in the UI); the checks run once all are loaded. The streaming sensor keeps one
 streaming run per target alive, serving every table. Press Ctrl-C to stop everything.
@@ -217,6 +218,11 @@ def _check_when_loaded(config_path: Path, env: dict[str, str], directory: Path, 
     commands.run([str(bin_dir / "siphon-dagster"), "check"], env, directory / "checks.log")
     print(f"every table is loaded; the checks ran (results on each asset's Checks tab, lines in "
           f"{directory / 'checks.log'})", flush=True)
+    status_log = directory / "status.log"
+    commands.run([str(bin_dir / "siphon-dagster"), "status"], env, status_log)
+    lines = status_log.read_text().splitlines() if status_log.exists() else []
+    if lines and not stop.is_set():
+        print(f"siphon-dagster status: {lines[-1]} (every table's line in {status_log})", flush=True)
 
 
 def _write_forever(dsn: str, rate: float, stop: threading.Event) -> None:

@@ -166,7 +166,7 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds / 3600:.0f}h ago"
 
 
-def _clipped(text: str, width: int = 56) -> str:
+def _clipped(text: str, width: int = 70) -> str:
     """A long state in the column (a failure lists partitions); the problem line holds it whole."""
     return text if len(text) <= width else text[:width - 3] + "..."
 
@@ -184,7 +184,9 @@ def _checks_text(checks: dict[str, str]) -> str:
 
 
 def render_lines(statuses: Sequence[TableStatus], now: float) -> list[str]:
-    """A column-aligned line per table, its problems indented beneath it."""
+    """A column-aligned line per table, its problems indented beneath it (no lines for no tables)."""
+    if not statuses:
+        return []
     header = ("STATUS", "ASSET", "STREAMING", "LAST BATCH", "LAG", "PENDING", "STATE", "CHECKS")
     rows = [("OK" if s.ok else "ATTN", s.asset, s.streaming,
              _ago(None if s.last_batch_at is None else now - s.last_batch_at),

@@ -158,6 +158,7 @@ def test_lines_align_and_list_problems_and_json_holds_every_field(recorded):
     assert notes_row.startswith("ATTN") and "row_parity failed (error), 2 never run, 1 passed" in notes_row
     assert "    - check(s) failed: row_parity failed (error)" in lines
     assert summary_line(statuses) == f"5 of {len(statuses)} table(s) at their targets need attention"
+    assert render_lines([], now) == []  # `--problems` with none: only the closing count
     records = [json.loads(line) for line in render_json(statuses)]
     assert {r["asset"] for r in records} == {s.asset for s in statuses}
     assert all(set(r) >= {"ok", "problems", "streaming", "lag_seconds", "state", "checks"} for r in records)
