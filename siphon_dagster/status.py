@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import dagster as dg
 
@@ -26,6 +27,7 @@ from siphon_dagster.table_state import NOT_STREAMING, STREAM_STOPPED, latest_che
 # Observations looked through for the latest state and the latest stop: other observations (a
 # table made anew, a drop) come between them only now and then.
 _OBSERVATIONS_READ = 20
+_OBSERVATIONS_FIRST = 3
 # Materializations looked through for the latest batch: snapshot partitions' come between batches.
 _MATERIALIZATIONS_READ = 25
 DEAD_WORKER = "no live worker"
@@ -59,6 +61,9 @@ def read_statuses(instance: dg.DagsterInstance, specs: Sequence[TableSpec], targ
     runs = _streaming_runs(instance, specs[0].tags[APPLICATION_TAG], now) if specs else {}
     keys = {(spec.qualified_name, target): check_keys(spec, target) for spec, target in pairs}
     latest_checks = latest_check_results(instance, [key for ks in keys.values() for key in ks])
+    asset_keys = [spec.target_key(target) for spec, target in pairs]
+    latest = {record.asset_entry.asset_key: record.asset_entry.last_materialization_record
+              for record in instance.get_asset_records(asset_keys)}
     statuses = []
     for spec, target in pairs:
         asset_key = spec.target_key(target)
@@ -67,7 +72,7 @@ def read_statuses(instance: dg.DagsterInstance, specs: Sequence[TableSpec], targ
                              asset=naming.asset_path_text(target, spec.schema, spec.name),
                              streaming=streaming, worker_gone=worker_gone)
         status.checks = {key.name: latest_checks[key] for key in keys[(spec.qualified_name, target)]}
-        _read_batch(instance, asset_key, status)
+        _read_batch(instance, asset_key, latest.get(asset_key), status)
         _read_observations(instance, asset_key, status)
         status.problems = problems(status, max_lag_seconds, now)
         statuses.append(status)
@@ -100,37 +105,51 @@ def _streaming_runs(instance: dg.DagsterInstance, application_tag: str, now: flo
     return served
 
 
-def _read_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey, status: TableStatus) -> None:
-    for record in instance.fetch_materializations(asset_key, limit=_MATERIALIZATIONS_READ).records:
-        materialization = record.asset_materialization
-        if materialization is None or "applied_lsn" not in materialization.metadata:
+def _read_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey, latest: Any, status: TableStatus) -> None:
+    """`latest`: the asset's latest materialization record (None: it has none), read for every
+    asset in one query; a snapshot partition's sends the read further back."""
+    if latest is None:
+        return
+    records = [latest] if _is_batch(latest) else \
+        instance.fetch_materializations(asset_key, limit=_MATERIALIZATIONS_READ).records
+    for record in records:
+        if not _is_batch(record):
             continue  # a snapshot partition's
-        metadata = materialization.metadata
+        metadata = record.asset_materialization.metadata
         status.last_batch_at = record.timestamp
         if "lag_seconds" in metadata:
-            status.lag_seconds = float(metadata["lag_seconds"].value)  # type: ignore[arg-type]
+            status.lag_seconds = float(metadata["lag_seconds"].value)
         if "pending_messages" in metadata:
-            status.pending_messages = int(metadata["pending_messages"].value)  # type: ignore[arg-type]
+            status.pending_messages = int(metadata["pending_messages"].value)
         return
 
 
+def _is_batch(record: Any) -> bool:
+    materialization = record.asset_materialization
+    return materialization is not None and "applied_lsn" in materialization.metadata
+
+
 def _read_observations(instance: dg.DagsterInstance, asset_key: dg.AssetKey, status: TableStatus) -> None:
-    state_seen = stop_seen = False
-    for record in instance.fetch_observations(asset_key, limit=_OBSERVATIONS_READ).records:
-        observation = record.asset_observation
-        if observation is None:
-            continue
-        if not state_seen and "siphon/state" in observation.metadata:
-            status.state = str(observation.metadata["siphon/state"].value)
-            state_seen = True
-        if not stop_seen and (observation.description or "").startswith(STREAM_STOPPED):
-            stop_seen = True
-            # A batch applied after the stop means the table streams again.
-            if status.last_batch_at is None or record.timestamp > status.last_batch_at:
-                error = observation.metadata.get("error")
-                status.stopped = str(error.value) if error is not None else observation.description
-        if state_seen and stop_seen:
-            return
+    # The few latest first: most tables' latest observation is their state, and no stop followed
+    # their latest batch.
+    for limit in (_OBSERVATIONS_FIRST, _OBSERVATIONS_READ):
+        records = instance.fetch_observations(asset_key, limit=limit).records
+        state = next((r.asset_observation for r in records
+                      if r.asset_observation is not None and "siphon/state" in r.asset_observation.metadata), None)
+        stop = next((r for r in records if r.asset_observation is not None
+                     and (r.asset_observation.description or "").startswith(STREAM_STOPPED)), None)
+        # The stop that matters came after the latest batch: one older than the oldest record read
+        # would not.
+        seen_past_batch = len(records) < limit or status.last_batch_at is None \
+            or records[-1].timestamp <= status.last_batch_at
+        if (state is not None or len(records) < limit) and (stop is not None or seen_past_batch):
+            break
+    if state is not None:
+        status.state = str(state.metadata["siphon/state"].value)
+    # A batch applied after the stop means the table streams again.
+    if stop is not None and (status.last_batch_at is None or stop.timestamp > status.last_batch_at):
+        error = stop.asset_observation.metadata.get("error")
+        status.stopped = str(error.value) if error is not None else stop.asset_observation.description
 
 
 def problems(status: TableStatus, max_lag_seconds: float, now: float) -> list[str]:

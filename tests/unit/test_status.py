@@ -77,6 +77,14 @@ def recorded(tmp_path: Path):
             batch(notes, "clickhouse", 0.8, 0), state(notes, "clickhouse", "loaded"),
             batch(notes, "snowflake", 1.5, 3), state(notes, "snowflake", "snapshotting: 3 of 10 partitions loaded, 2 running"),
             batch(events, "clickhouse", 2.0, 0),
+            # Read further back: a snapshot partition's materialization after the batch, and a stop
+            # after it under more observations than the first read takes.
+            batch(events, "snowflake", 4.0, 7),
+            dg.AssetObservation(asset_key=events.target_key("snowflake"), description=f"{STREAM_STOPPED}: TargetError",
+                                metadata={"error": dg.MetadataValue.md("merge refused")}),
+            dg.AssetMaterialization(asset_key=events.target_key("snowflake"), partition="00000000-00008191",
+                                    metadata={"dagster/row_count": 10}),
+            *(state(events, "snowflake", f"snapshotting: {n} of 3 partitions loaded") for n in range(4)),
             # A stop after the latest batch: the table stays stopped.
             batch(odd, "clickhouse", 0.5, 0),
             dg.AssetObservation(asset_key=odd.target_key("clickhouse"), description=f"{STREAM_STOPPED}: TargetError",
@@ -123,6 +131,9 @@ def test_each_table_at_each_target_gets_its_streaming_batch_state_and_checks(rec
     assert [p.split(":")[0] for p in events.problems] == ["not streaming"]
     assert "has no live worker (its worker process" in events.problems[0]
     assert statuses["clickhouse/public/events"].state == "no state recorded yet"
+    deep = statuses["snowflake/public/events"]
+    assert (deep.lag_seconds, deep.pending_messages) == (4.0, 7)
+    assert deep.state == "snapshotting: 3 of 3 partitions loaded" and deep.stopped == "merge refused"
     odd = statuses['clickhouse/public/odd "name"']
     assert odd.stopped == "column x: cannot convert"
     assert odd.problems == ["its stream stopped: column x: cannot convert"]
