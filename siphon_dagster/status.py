@@ -40,12 +40,15 @@ class TableStatus:
     asset: str  # the target asset's key as the UI spells it
     streaming: str  # "running in <run>", "starting in <run>", "no live worker in <run>" or "not running"
     worker_gone: str | None = None  # why the serving run has no live worker
+    serving_run: str | None = None  # the run id of the run that serves the table
+    batch_run: str | None = None  # the run id of the run that recorded the latest batch
     last_batch_at: float | None = None  # the latest streaming batch's materialization (rate-limited)
     lag_seconds: float | None = None
     pending_messages: int | None = None
     state: str = "no state recorded yet"  # the snapshot sensor's line: "loaded", "snapshotting: ..."
     checks: dict[str, str] = field(default_factory=dict)
     stopped: str | None = None  # the error the stream stopped on, since its latest batch
+    stop_run: str | None = None  # the run id of the run it stopped in
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -67,10 +70,10 @@ def read_statuses(instance: dg.DagsterInstance, specs: Sequence[TableSpec], targ
     statuses = []
     for spec, target in pairs:
         asset_key = spec.target_key(target)
-        streaming, worker_gone = runs.get((target, spec.qualified_name), (NOT_STREAMING, None))
+        streaming, serving_run, worker_gone = runs.get((target, spec.qualified_name), (NOT_STREAMING, None, None))
         status = TableStatus(target=target, table=spec.qualified_name,
                              asset=naming.asset_path_text(target, spec.schema, spec.name),
-                             streaming=streaming, worker_gone=worker_gone)
+                             streaming=streaming, worker_gone=worker_gone, serving_run=serving_run)
         status.checks = {key.name: latest_checks[key] for key in keys[(spec.qualified_name, target)]}
         _read_batch(instance, asset_key, latest.get(asset_key), status)
         _read_observations(instance, asset_key, status)
@@ -80,10 +83,11 @@ def read_statuses(instance: dg.DagsterInstance, specs: Sequence[TableSpec], targ
 
 
 def _streaming_runs(instance: dg.DagsterInstance, application_tag: str, now: float
-                    ) -> dict[tuple[str, str], tuple[str, str | None]]:
+                    ) -> dict[tuple[str, str], tuple[str, str, str | None]]:
     """(target, table) -> how the application's in-progress streaming runs serve it ("running in
-    <run>", "starting in <run>", "no live worker in <run>"), and why that run's worker is gone."""
-    served: dict[tuple[str, str], tuple[str, str | None]] = {}
+    <run>", "starting in <run>", "no live worker in <run>"), that run's id, and why its worker is
+    gone."""
+    served: dict[tuple[str, str], tuple[str, str, str | None]] = {}
     for run, dead_reason in live_streaming_runs(instance, application_tag, now):
         group = served_tables(run)
         if group is not None:
@@ -100,8 +104,8 @@ def _streaming_runs(instance: dg.DagsterInstance, application_tag: str, now: flo
             state = f"{run.status.value.lower()} in {short}"
         for name in tables:
             # A live run wins over one whose worker is gone, a started run over a starting one.
-            if not served.get((target, name), ("", None))[0].startswith("running"):
-                served[(target, name)] = (state, dead_reason)
+            if not served.get((target, name), ("", "", None))[0].startswith("running"):
+                served[(target, name)] = (state, run.run_id, dead_reason)
     return served
 
 
@@ -117,6 +121,7 @@ def _read_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey, latest: An
             continue  # a snapshot partition's
         metadata = record.asset_materialization.metadata
         status.last_batch_at = record.timestamp
+        status.batch_run = record.run_id or None
         if "lag_seconds" in metadata:
             status.lag_seconds = float(metadata["lag_seconds"].value)
         if "pending_messages" in metadata:
@@ -148,8 +153,9 @@ def _read_observations(instance: dg.DagsterInstance, asset_key: dg.AssetKey, sta
         status.state = str(state.metadata["siphon/state"].value)
     # A batch applied after the stop means the table streams again.
     if stop is not None and (status.last_batch_at is None or stop.timestamp > status.last_batch_at):
-        error = stop.asset_observation.metadata.get("error")
-        status.stopped = str(error.value) if error is not None else stop.asset_observation.description
+        metadata = stop.asset_observation.metadata
+        status.stopped = str(metadata["error"].value) if "error" in metadata else stop.asset_observation.description
+        status.stop_run = str(metadata["run_id"].value) if "run_id" in metadata else (stop.run_id or None)
 
 
 def problems(status: TableStatus, max_lag_seconds: float, now: float) -> list[str]:
@@ -160,11 +166,18 @@ def problems(status: TableStatus, max_lag_seconds: float, now: float) -> list[st
     elif status.worker_gone is not None:
         found.append(f"not streaming: run {status.streaming.rsplit(' ', 1)[-1]} has no live worker "
                      f"({status.worker_gone}); the streaming sensor replaces it")
-    if status.stopped is not None:
+    # A stop in a run that no longer serves the table is history: the run serving it now starts
+    # the table afresh (and records a stop of its own if the error comes back).
+    if status.stopped is not None and (status.serving_run is None or status.stop_run == status.serving_run):
         found.append(f"its stream stopped: {status.stopped}")
-    if status.lag_seconds is not None and status.lag_seconds > max_lag_seconds:
+    # Judged on a batch the serving run recorded: a run that was replaced or terminated leaves
+    # the reports of its last batches unwritten (they are applied and acked), so its latest
+    # recorded batch may show a lag or a backlog that it cleared before it ended.
+    own_batch = status.batch_run is not None and status.batch_run == status.serving_run
+    if own_batch and status.lag_seconds is not None and status.lag_seconds > max_lag_seconds:
         found.append(f"behind: its latest batch was {status.lag_seconds:.0f}s behind the source")
-    if status.last_batch_at is not None and status.pending_messages and now - status.last_batch_at > max_lag_seconds:
+    if own_batch and status.last_batch_at is not None and status.pending_messages \
+            and now - status.last_batch_at > max_lag_seconds:
         found.append(f"stalled: no batch for {now - status.last_batch_at:.0f}s with {status.pending_messages} "
                      "message(s) pending")
     if "failed after" in status.state:
