@@ -73,12 +73,15 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 context.log.info(f"no table at {group.target} for {len(names)} table(s), so the stream made them and the "
                                  f"snapshot sensor loads them again: {', '.join(names)}")
 
-        def on_batch(report: BatchReport) -> None:
+        def note_batch(report: BatchReport) -> None:
             stream_metrics.record_batch(group.target, report.table, report)
             if report.created_table:
                 made.append(report.table)
                 context.log_event(made_anew(specs[report.table].target_key(group.target),
                                             f"{report.table} at {group.target}"))
+
+        def on_batch(report: BatchReport) -> None:
+            note_batch(report)
             aggregate = limiter.add(report, time.monotonic())
             if aggregate is not None:
                 materialize(aggregate)
@@ -154,6 +157,12 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             else:
                 summary = runner.run(stop_when_drained=config.stop_when_drained)
         finally:
+            # Batches applied and acked whose reports an interrupt cancelled: the table the stream
+            # made is the snapshot sensor's signal to load it, and each table's latest
+            # materialization says what it applied last, in one event a table.
+            for report in runner.unreported_batches():
+                note_batch(report)
+                limiter.absorb(report)
             log_made()
             for aggregate in limiter.flush(time.monotonic()):
                 materialize(aggregate)

@@ -15,8 +15,9 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
@@ -92,6 +93,9 @@ class GroupRunner:
         # Reports (Dagster events, metrics) are written by one thread of their own, in order: an
         # event log write waits on its storage, and the event loop must never wait with it.
         self._reporter: ThreadPoolExecutor | None = None
+        # Batch reports not written yet, oldest first; those an interrupt cancels are kept.
+        self._batch_reports: deque[tuple[Future[None], BatchReport]] = deque()
+        self._unreported: list[BatchReport] = []
 
     def stop(self) -> None:
         """Asks every table to return after its batch in progress; callable from any thread."""
@@ -116,6 +120,7 @@ class GroupRunner:
     async def run_async(self, stop_when_drained: bool = False) -> GroupSummary:
         self._loop = asyncio.get_running_loop()
         self._started_at = time.monotonic()
+        self._unreported = []
         self._loop.set_default_executor(ThreadPoolExecutor(self.apply_threads + self.first_batch_turns,
                                                            thread_name_prefix="siphon-apply"))
         self._setup_gate = asyncio.Semaphore(self.setup_concurrency)
@@ -151,8 +156,11 @@ class GroupRunner:
             self._cpu_executor.shutdown(wait=True)
             # Every report is written before the run returns, unless it was interrupted: a run that
             # caught up on a backlog may have minutes of Dagster events queued, and the batches they
-            # describe are applied and acked already.
+            # describe are applied and acked already. The batches whose reports were cancelled are
+            # kept for `unreported_batches`: the caller reports them in a few events at most.
             self._reporter.shutdown(wait=True, cancel_futures=interrupted)
+            self._unreported = [report for future, report in self._batch_reports if future.cancelled()]
+            self._batch_reports.clear()
         return summary
 
     async def _end(self, tables: list[asyncio.Task[None]]) -> None:
@@ -170,7 +178,11 @@ class GroupRunner:
         if pending:
             await asyncio.wait(pending)
 
-    def _report(self, callback: Callable[..., None], *args: object) -> None:
+    def unreported_batches(self) -> list[BatchReport]:
+        """The batches applied (and acked) whose `on_batch` an interrupt cancelled, in order."""
+        return list(self._unreported)
+
+    def _report(self, callback: Callable[..., None], *args: object) -> Future[None] | None:
         def run() -> None:
             try:
                 callback(*args)
@@ -179,9 +191,10 @@ class GroupRunner:
 
         assert self._reporter is not None
         try:
-            self._reporter.submit(run)
+            return self._reporter.submit(run)
         except RuntimeError:  # the run is ending and its reports are closed
             _log.debug("report dropped: the run is ending")
+            return None
 
     async def _serve(self, table: TableConfig, stop_when_drained: bool, summary: GroupSummary) -> None:
         """One table's consumer, started again after a failure with exponential backoff; with
@@ -252,7 +265,11 @@ class GroupRunner:
                 _log.info("every table applied a batch", tables=len(self.tables),
                           seconds=round(time.monotonic() - self._started_at, 1))
         totals.add(report)
-        self._report(self.on_batch, report)
+        future = self._report(self.on_batch, report)
+        if future is not None:  # called on the event loop only
+            self._batch_reports.append((future, report))
+            while self._batch_reports and self._batch_reports[0][0].done():
+                self._batch_reports.popleft()
 
     async def _sleep(self, seconds: float) -> None:
         """The backoff's wait, cut short when the run stops (the next attempt then returns)."""

@@ -72,6 +72,10 @@ class MaterializationLimiter:
             return self._take(report.table, now)
         return None
 
+    def absorb(self, report: BatchReport) -> None:
+        """Adds a batch to its table's aggregate whatever is due: `flush` reports it."""
+        self._open.setdefault(report.table, AggregatedBatches(report.table)).add(report)
+
     def due(self, now: float) -> list[AggregatedBatches]:
         """Aggregates whose interval has passed since their table's last materialization (a table
         that went quiet after a batch is reported without waiting for another)."""

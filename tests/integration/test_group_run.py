@@ -284,6 +284,48 @@ def test_dagsters_termination_signal_ends_a_busy_group_run_and_the_next_run_appl
         consumers.close()
 
 
+def test_an_interrupted_run_hands_back_the_applied_batches_whose_reports_it_had_not_written(
+        request, nats_url, postgres_dsn, clickhouse_url, unique_name):
+    """An interrupt drops the reports still queued behind a slow event log, but not the batches
+    they describe: the run hands those back, so every applied batch is reported once, by the
+    reporting thread or by the caller (a table the stream made included)."""
+    from dagster._core.errors import DagsterExecutionInterruptedError
+    from dagster._utils.interrupts import raise_interrupts_as
+
+    names = [f"u{i}" for i in range(4)]
+    config = group_config(unique_name, postgres_dsn, nats_url, clickhouse_url, names)
+    publish_backlogs(nats_url, unique_name, names, 30)
+    consumers = Consumers(config, StreamingConfig(batch_max_messages=2, batch_max_wait_seconds=0.05),
+                          idle_pull_seconds=5.0, pipelined=True)
+    reported: list[BatchReport] = []
+
+    def on_batch(report: BatchReport) -> None:
+        reported.append(report)
+        if len(reported) == 3:
+            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        time.sleep(0.3)  # an event log that takes its time: reports queue up behind it
+
+    runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, lambda failure: None)
+    with raise_interrupts_as(DagsterExecutionInterruptedError), pytest.raises(DagsterExecutionInterruptedError):
+        runner.run()
+    unreported = runner.unreported_batches()
+    assert unreported, "no report was queued when the interrupt came: nothing was tested"
+    first_run = reported + unreported
+    assert len({(r.table, r.first_sequence) for r in first_run}) == len(first_run), "a batch reported twice"
+    assert any(r.created_table for r in first_run)
+    drain = Consumers(config, StreamingConfig(batch_max_messages=50, batch_max_wait_seconds=0.05))
+    drained: list[BatchReport] = []
+    GroupRunner(drain.shared, list(config.tables), drain, drained.append, lambda failure: None).run(
+        stop_when_drained=True)
+    for name in names:
+        # Every package applied by one run or the other is in a report: none went unreported.
+        events = sum(r.events for r in first_run + drained if r.table == f"public.{name}")
+        assert events >= 30, (name, events)
+        assert rows_of(drain.opened[-1], name) == [(str(i), f"{name} {i}", str(i)) for i in range(30)], name
+    for each in (consumers, drain):
+        each.close()
+
+
 class _SlowWrites(_WrappedTarget):
     """A real target whose writes take a while longer, as a busy warehouse's do."""
 

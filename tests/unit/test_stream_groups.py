@@ -110,6 +110,16 @@ def test_flush_returns_what_is_left_when_the_run_ends():
     assert left.last_sequence == 2
 
 
+def test_batches_an_interrupt_left_unreported_join_their_tables_aggregates_for_the_flush():
+    limiter = MaterializationLimiter(60)
+    assert limiter.add(report(sequence=1), now=0) is not None
+    limiter.absorb(report(sequence=2, lsn=20))  # not due for 60 s: the flush reports it
+    limiter.absorb(report("public.events", sequence=3))
+    left = {aggregate.table: aggregate for aggregate in limiter.flush(now=2)}
+    assert (left["public.notes"].last_sequence, left["public.notes"].applied_lsn) == (2, 20)
+    assert left["public.events"].batches == 1
+
+
 def test_the_tables_streaming_are_read_off_the_group_runs_and_single_table_drains():
     import dagster as dg
     from dagster._core.test_utils import create_run_for_test
