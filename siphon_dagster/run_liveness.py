@@ -71,6 +71,13 @@ def live_worker_pid(run: dg.DagsterRun) -> int | None:
     return local[0] if local is not None and local[1] else None
 
 
+def is_gone(identity: str) -> bool:
+    """Whether the process `worker_identity` named has ended (False for another host's process,
+    which is not ours to judge)."""
+    local = _local_worker(identity)
+    return local is not None and not local[1]
+
+
 def _local_worker(tag: str) -> tuple[int, bool] | None:
     """(pid, whether that process still runs) for a worker tag of this host; None for another host's."""
     host, pid, start = tag.rsplit(":", 2)

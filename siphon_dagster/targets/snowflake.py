@@ -10,7 +10,6 @@ this module is Snowflake's hooks.
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, islice
 from pathlib import Path
@@ -217,8 +216,8 @@ class SnowflakeTarget(SqlTarget):
             self._execute(names, "uploading a batch file", stage.put(path, load_stage, directory))
             path.unlink()
 
-        with tempfile.TemporaryDirectory(prefix="siphon-load-", dir=self.config.stage_directory) as local:
-            files = stage.ParquetFiles(Path(local), ship)
+        with stage.local_load_directory(self.config.stage_directory) as local:
+            files = stage.ParquetFiles(local, ship)
             try:
                 for batch in batches:
                     files.write(batch)

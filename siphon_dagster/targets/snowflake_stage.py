@@ -9,8 +9,11 @@ same statement whichever way the rows arrived, so both paths store the same valu
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from snowflake.connector.errors import Error as SnowflakeError
 
+from siphon_dagster.run_liveness import is_gone, worker_identity
 from siphon_dagster.targets.base import TableSchema
 from siphon_dagster.targets.snowflake_sql import quote
 from siphon_dagster.targets.sql_dialect import staging_names
@@ -177,3 +181,37 @@ def refuse_stage(location: tuple[str, ...]) -> bool:
     first = location not in _refused
     _refused.add(location)
     return first
+
+
+# A batch's Parquet files wait in a local directory until each is PUT. A process killed outright
+# leaves its directory, rows of the table included: each is named for the process that made it,
+# and a later load removes those of processes that have ended.
+LOCAL_PREFIX = "siphon-load-"
+_swept: set[str] = set()
+
+
+@contextmanager
+def local_load_directory(parent: str | None) -> Iterator[Path]:
+    """A new directory for one load's files under `parent` (the system's temporary directory when
+    None), removed afterwards; the first in a process removes those dead processes left there."""
+    parent = parent or tempfile.gettempdir()
+    if parent not in _swept:
+        _swept.add(parent)
+        sweep_dead_load_directories(Path(parent))
+    owner = worker_identity().replace(":", "_")
+    with tempfile.TemporaryDirectory(prefix=f"{LOCAL_PREFIX}{owner}-", dir=parent) as local:
+        yield Path(local)
+
+
+def sweep_dead_load_directories(parent: Path) -> list[Path]:
+    """Removes the load directories under `parent` whose process has ended; returns them."""
+    removed = []
+    for path in parent.glob(f"{LOCAL_PREFIX}*-*"):
+        # siphon-load-<host>_<pid>_<start>-<random>: the random part has no '-'.
+        parts = path.name[len(LOCAL_PREFIX):].rpartition("-")[0].rsplit("_", 2)
+        if len(parts) != 3 or not parts[1].isdigit() or not path.is_dir():
+            continue  # not named for a process (an older version's): left alone
+        if is_gone(":".join(parts)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -55,3 +55,29 @@ def test_statements_quote_every_name_and_keep_text_as_text() -> None:
     assert stage.copy_into('"t"', TABLE, "s", "d1") == (
         'COPY INTO "t" ("c0", "c1", "_v", "_d") FROM (SELECT $1:"c0"::VARCHAR, $1:"c1"::VARCHAR, '
         '$1:"_v"::VARCHAR, $1:"_d"::BOOLEAN FROM @"s"/d1/) FILE_FORMAT = (TYPE = PARQUET NULL_IF = ()) PURGE = TRUE')
+
+
+def test_a_load_directory_is_named_for_its_process_and_a_later_load_removes_those_of_ended_ones(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from siphon_dagster.run_liveness import worker_identity
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    left = tmp_path / f"{stage.LOCAL_PREFIX}{worker_identity(ended.pid).replace(':', '_')}-abc123"
+    left.mkdir()
+    (left / "batch-0.parquet").write_bytes(b"rows of the table")
+    foreign = tmp_path / f"{stage.LOCAL_PREFIX}other-host_{ended.pid}_123-x1"  # another machine's: not ours
+    older = tmp_path / f"{stage.LOCAL_PREFIX}k2j3h4"  # named for no process
+    for path in (foreign, older):
+        path.mkdir()
+    with stage.local_load_directory(str(tmp_path)) as local:
+        assert local.name.startswith(f"{stage.LOCAL_PREFIX}{socket.gethostname()}_")
+        assert not left.exists()
+        assert foreign.exists() and older.exists()
+        # This process's own directory is alive: another sweep keeps it.
+        assert stage.sweep_dead_load_directories(tmp_path) == []
+        assert local.exists()
+    assert not local.exists()
