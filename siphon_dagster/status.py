@@ -21,7 +21,7 @@ import dagster as dg
 from siphon_core import naming
 from siphon_dagster.checks.definitions import check_keys
 from siphon_dagster.specs import TableSpec
-from siphon_dagster.stream_groups import APPLICATION_TAG, STREAM_TAG, live_streaming_runs, served_tables
+from siphon_dagster.stream_groups import APPLICATION_TAG, live_streaming_runs, streamed_tables
 from siphon_dagster.table_state import NOT_STREAMING, STREAM_STOPPED, latest_check_results
 
 # Observations looked through for the latest state and the latest stop: other observations (a
@@ -89,12 +89,10 @@ def _streaming_runs(instance: dg.DagsterInstance, application_tag: str, now: flo
     gone."""
     served: dict[tuple[str, str], tuple[str, str, str | None]] = {}
     for run, dead_reason in live_streaming_runs(instance, application_tag, now):
-        group = served_tables(run)
-        if group is not None:
-            target, _, tables = group
-        else:
-            target, _, table = run.tags[STREAM_TAG].partition(":")
-            tables = {table}
+        streamed = streamed_tables(run)
+        if streamed is None:
+            continue
+        target, tables = streamed
         short = run.run_id[:8]
         if dead_reason is not None:
             state = f"{DEAD_WORKER} in {short}"
@@ -164,15 +162,15 @@ def problems(status: TableStatus, max_lag_seconds: float, now: float) -> list[st
     if status.streaming == NOT_STREAMING:
         found.append("not streaming: no run serves it (the streaming sensor starts one while it is running)")
     elif status.worker_gone is not None:
-        found.append(f"not streaming: run {status.streaming.rsplit(' ', 1)[-1]} has no live worker "
+        found.append(f"not streaming: run {(status.serving_run or '')[:8]} has no live worker "
                      f"({status.worker_gone}); the streaming sensor replaces it")
     # A stop in a run that no longer serves the table is history: the run serving it now starts
     # the table afresh (and records a stop of its own if the error comes back).
     if status.stopped is not None and (status.serving_run is None or status.stop_run == status.serving_run):
         found.append(f"its stream stopped: {status.stopped}")
-    # Judged on a batch the serving run recorded: a run that was replaced or terminated leaves
-    # the reports of its last batches unwritten (they are applied and acked), so its latest
-    # recorded batch may show a lag or a backlog that it cleared before it ended.
+    # Judged on a batch the serving run recorded: a run killed outright leaves the reports of its
+    # last batches unwritten (they are applied and acked), so its latest recorded batch may show
+    # a lag or a backlog that it cleared before it ended.
     own_batch = status.batch_run is not None and status.batch_run == status.serving_run
     if own_batch and status.lag_seconds is not None and status.lag_seconds > max_lag_seconds:
         found.append(f"behind: its latest batch was {status.lag_seconds:.0f}s behind the source")

@@ -75,6 +75,18 @@ def served_tables(run: dg.DagsterRun) -> tuple[str, str, set[str]] | None:
     return target, group, set(tables.split(",")) if tables else set()
 
 
+def streamed_tables(run: dg.DagsterRun) -> tuple[str, set[str]] | None:
+    """(target, tables) a streaming run applies: a group run's tagged tables, a single-table
+    run's one table; None for any other run."""
+    served = served_tables(run)
+    if served is not None:
+        return served[0], served[2]
+    if STREAM_TAG in run.tags:
+        target, _, table = run.tags[STREAM_TAG].partition(":")
+        return target, {table}
+    return None
+
+
 def stream_groups(config: SiphonConfig, specs: list[TableSpec]) -> list[StreamGroup]:
     """One group per (target, group name) that has at least one table replicated to the target."""
     members: dict[tuple[str, str], list[TableSpec]] = {}

@@ -19,7 +19,7 @@ from typing import Any
 import dagster as dg
 
 from siphon_dagster.snapshot_plan import Partitions
-from siphon_dagster.stream_groups import APPLICATION_TAG, STREAM_TAG, served_tables
+from siphon_dagster.stream_groups import APPLICATION_TAG, streamed_tables
 
 IN_PROGRESS_RUNS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
                     dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
@@ -86,14 +86,10 @@ def streaming_states(instance: dg.DagsterInstance, application_tag: str) -> dict
     states: dict[tuple[str, str], str] = {}
     for record in records:
         run = record.dagster_run
-        served = served_tables(run)
-        if served is not None:
-            target, _, tables = served
-        elif STREAM_TAG in run.tags:
-            target, _, table = run.tags[STREAM_TAG].partition(":")
-            tables = {table}
-        else:
+        streamed = streamed_tables(run)
+        if streamed is None:
             continue
+        target, tables = streamed
         state = "running" if run.status == dg.DagsterRunStatus.STARTED else "starting"
         for table in tables:
             if states.get((target, table)) != "running":
