@@ -38,6 +38,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                     "each table on its own consumer, acking only what the target committed.",
     )
     def _stream(context: dg.OpExecutionContext, config: GroupRunConfig) -> None:
+        from siphon_dagster.op_events import OpEvents
         from siphon_dagster.snapshot_sensor import made_anew
         from siphon_dagster.streaming import metrics as stream_metrics
         from siphon_dagster.streaming.consumer import StreamConsumer
@@ -48,10 +49,11 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         from siphon_dagster.streaming.source_rows import SharedSourceRowReader
 
         limiter = MaterializationLimiter(streaming.materialization_interval_seconds)
+        events = OpEvents(context)  # the run's reports, not kept in memory until it ends
 
         def materialize(aggregate: AggregatedBatches) -> None:
             spec = specs[aggregate.table]
-            context.log_event(dg.AssetMaterialization(
+            events.log(dg.AssetMaterialization(
                 asset_key=spec.target_key(group.target),
                 description=f"applied stream sequences {aggregate.first_sequence}..{aggregate.last_sequence} "
                             f"in {aggregate.batches} batches",
@@ -77,8 +79,8 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             stream_metrics.record_batch(group.target, report.table, report)
             if report.created_table:
                 made.append(report.table)
-                context.log_event(made_anew(specs[report.table].target_key(group.target),
-                                            f"{report.table} at {group.target}"))
+                events.log(made_anew(specs[report.table].target_key(group.target),
+                                     f"{report.table} at {group.target}"))
 
         def on_batch(report: BatchReport) -> None:
             note_batch(report)
@@ -92,7 +94,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 else f"started again in {failure.retry_in_seconds:.0f}s (attempt {failure.attempt + 1})"
             message = f"table {failure.table} (target {group.target}) stopped: {failure.error}; {then}"
             context.log.error(message)
-            context.log_event(dg.AssetObservation(
+            events.log(dg.AssetObservation(
                 asset_key=spec.target_key(group.target),
                 description=f"{STREAM_STOPPED}: {type(failure.error).__name__}",
                 metadata={"error": dg.MetadataValue.md(str(failure.error)), "attempt": failure.attempt,

@@ -38,16 +38,19 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
                     "PySpark, acking only what the target committed.",
     )
     def _stream(context: dg.OpExecutionContext, config: StreamRunConfig) -> None:
+        from siphon_dagster.op_events import OpEvents
         from siphon_dagster.snapshot_sensor import made_anew
         from siphon_dagster.streaming.consumer import StreamConsumer
         from siphon_dagster.streaming.report import BatchReport
         from siphon_dagster.streaming.source_rows import SourceRowReader
 
+        events = OpEvents(context)  # one materialization a batch, not kept in memory until the run ends
+
         def record(report: BatchReport) -> None:
             if report.created_table:
                 context.log.info(f"{spec.qualified_name}: no table at {target}; the stream made it and the "
                                  "snapshot sensor loads it again")
-                context.log_event(made_anew(asset_key, f"{spec.qualified_name} at {target}"))
+                events.log(made_anew(asset_key, f"{spec.qualified_name} at {target}"))
             metadata = {
                 "applied_lsn": report.applied_lsn_text,
                 "rows_by_operation": dg.MetadataValue.json(report.rows_by_operation),
@@ -67,7 +70,7 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
                 metadata["warnings"] = dg.MetadataValue.md("\n".join(f"- {w}" for w in report.warnings))
                 for warning in report.warnings:
                     context.log.warning(warning)
-            context.log_event(dg.AssetMaterialization(
+            events.log(dg.AssetMaterialization(
                 asset_key=asset_key,
                 description=f"applied stream sequences {report.first_sequence}..{report.last_sequence}",
                 metadata=metadata,

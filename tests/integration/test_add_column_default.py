@@ -116,7 +116,9 @@ def test_a_volatile_default_is_reported_in_the_run_log_and_the_materialization(
         app.wait_for_events(4, "events")
         result = job.execute_in_process(run_config=run_config, instance=instance)
         assert result.success
-        [materialization] = [m for m in result.asset_materializations_for_node(op) if "warnings" in m.metadata]
+        materializations = [entry.asset_materialization for entry in
+                            instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)]
+        [materialization] = [m for m in materializations if "warnings" in m.metadata]
         [warning] = [entry.user_message for entry in instance.all_logs(result.run_id)
                      if entry.level == logging.WARNING and "seen_at" in entry.user_message]
     for text in (warning, materialization.metadata["warnings"].value):

@@ -457,8 +457,9 @@ def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(a
         assert result.success
         made_lines.extend(entry.user_message for entry in instance.all_logs(result.run_id)
                           if "no table at clickhouse" in entry.user_message)
-        return [event.event_specific_data.asset_observation for event in result.all_events
-                if event.event_type_value == "ASSET_OBSERVATION"]
+        # The run writes its events to the event log and keeps none for its end (op_events).
+        return [entry.dagster_event.event_specific_data.asset_observation
+                for entry in instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION)]
 
     with dg.instance_for_test() as instance:
         # The presence check is minutes away, and a settled table is looked at every tick here.
