@@ -76,7 +76,14 @@ from siphon_core import naming
 from siphon_core.config import TableConfig, load_config
 from siphon_dagster import source
 from siphon_dagster.targets import build_target
-from siphon_stack.process import free_port, port_accepts, start_process, stop_pid, wait_until
+from siphon_stack.process import (
+    free_port,
+    port_accepts,
+    start_process,
+    stop_pid,
+    wait_until,
+    with_allocator_settings,
+)
 from siphon_stack.snowflake import FakesnowServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -785,7 +792,7 @@ def main() -> int:
             started = time.monotonic()
             dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-m", "siphon_dagster",
                                                     "-h", "127.0.0.1", "-p", str(port)],
-                                    directory / "dagster.log", env=env, cwd=dagster_home,
+                                    directory / "dagster.log", env=with_allocator_settings(env), cwd=dagster_home,
                                     unset=("DAGSTER_MODULE_NAME",))
             dagster_pid = dagster.pid
             writer.thread.start()

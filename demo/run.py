@@ -23,7 +23,15 @@ import yaml
 
 from demo import workload
 from siphon_stack import stack
-from siphon_stack.process import StackError, free_port, port_accepts, start_process, stop_pid, wait_until
+from siphon_stack.process import (
+    StackError,
+    free_port,
+    port_accepts,
+    start_process,
+    stop_pid,
+    wait_until,
+    with_allocator_settings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_SNAPSHOT_RUNS_PER_TARGET = 1
@@ -122,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         # stops if it also finds DAGSTER_MODULE_NAME in its environment: the variable is removed.
         dagster = start_process("dagster dev", [str(bin_dir / "dagster"), "dev", "-m", "siphon_dagster",
                                                 "-h", "127.0.0.1", "-p", str(port)],
-                                directory / "dagster.log", env=env, cwd=Path(env["DAGSTER_HOME"]),
-                                unset=("DAGSTER_MODULE_NAME",))
+                                directory / "dagster.log", env=with_allocator_settings(env),
+                                cwd=Path(env["DAGSTER_HOME"]), unset=("DAGSTER_MODULE_NAME",))
         processes.append(("dagster", dagster.pid))
         wait_until("Dagster UI", lambda: port_accepts(port), 180.0, pid=dagster.pid,
                    log_path=directory / "dagster.log")

@@ -11,6 +11,18 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+# glibc gives each thread that allocates at once an arena of its own, up to 8 per core, and keeps
+# what each one held at its peak. A Dagster process runs many threads (a Snowflake streaming run 16
+# that apply, the daemon a pool for sensors). With two arenas the Dagster side of 500 tables to
+# both targets held 2,912 - 2,943 MB against 3,153 - 3,209, at the same freshness. The image sets
+# the same (deploy/Dockerfile); a value already in the environment is kept.
+ALLOCATOR_ENVIRONMENT = {"MALLOC_ARENA_MAX": "2"}
+
+
+def with_allocator_settings(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a tree of Dagster processes, with `ALLOCATOR_ENVIRONMENT` where it says nothing."""
+    return {**ALLOCATOR_ENVIRONMENT, **env}
+
 
 class StackError(RuntimeError):
     """A service of the local stack could not be started or reached; the message says what to do."""

@@ -21,6 +21,7 @@ from siphon_core import naming
 from siphon_core.config import SiphonConfig, parse_config
 from siphon_core.queue import StreamSettings
 from siphon_dagster.streaming.metrics import StreamingMetrics
+from siphon_stack.process import ALLOCATOR_ENVIRONMENT, with_allocator_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -202,6 +203,17 @@ def test_the_image_copies_what_exists_and_installs_the_commands_it_runs() -> Non
                  [sys.executable, "-m", "dagster", "code-server", "start", "--help"]):
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == 0 and "usage" in result.stdout.lower(), result.stdout + result.stderr
+
+
+def test_the_image_runs_with_the_allocator_settings_of_the_local_stack() -> None:
+    environment = {}
+    for keyword, rest in dockerfile_instructions():
+        if keyword == "ENV":
+            environment.update(pair.split("=", 1) for pair in rest.split())
+    assert {key: environment.get(key) for key in ALLOCATOR_ENVIRONMENT} == ALLOCATOR_ENVIRONMENT
+    # The demo's and the benchmarks' `dagster dev` get them, unless the user's environment says otherwise.
+    assert with_allocator_settings({"PATH": "/bin"}) == {"PATH": "/bin", **ALLOCATOR_ENVIRONMENT}
+    assert with_allocator_settings({"MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"
 
 
 def test_the_dockerfile_passes_hadolint() -> None:
