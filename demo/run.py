@@ -188,6 +188,7 @@ class _Commands:
         with self._lock:
             if self._stopped:
                 return
+            log_path.unlink(missing_ok=True)  # this demo's lines, not those of the demos before it
             process = start_process(Path(argv[0]).name, argv, log_path, env=env)
             self._pid = process.pid
         process.wait()
