@@ -351,6 +351,40 @@ def test_streaming_sensor_records_the_pending_count(config):
         assert json.loads(result.cursor)[streaming_job_name(config)]["pending"] == 3
 
 
+def test_streaming_sensor_sums_each_groups_pending_over_its_own_tables_consumers(postgres_dsn, nats_url, unique_name):
+    """One listing of the stream's consumers: each group counts its tables' consumers only, not a
+    consumer of a table no longer configured, and a group none of whose consumers exists yet has
+    no count."""
+    from siphon_core.queue import JetStreamQueue, StreamSettings
+
+    raw = raw_config(postgres_dsn, nats_url, unique_name)
+    raw["tables"] = [{"name": f"{unique_name}.{name}"} for name in ("hot", "warm", "cold", "idle")]
+    raw["streaming"] = {"groups": {"hot": [f"{unique_name}.hot"], "quiet": [f"{unique_name}.idle"]}}
+    config = parse_config(raw)
+    published = {"hot": 2, "warm": 3, "cold": 1, "gone": 5}  # `gone`: a table not configured
+
+    async def publish():
+        queue = JetStreamQueue(config.queue.url, StreamSettings(config.application_identifier))
+        await queue.connect()
+        try:
+            await queue.ensure_stream()
+            for table, count in published.items():
+                subject = naming.table_subject(config.application_identifier, unique_name, table)
+                await queue.ensure_consumer(naming.consumer_name("clickhouse", unique_name, table), subject)
+                for index in range(count):
+                    await queue.publish(subject, b"x", message_id=f"{table}-{index}")
+        finally:
+            await queue.close()
+
+    asyncio.run(publish())
+    defs = build_definitions(config)
+    with dg.instance_for_test() as instance:
+        cursor = json.loads(tick(defs, config, instance, "_streaming").cursor)
+    assert cursor["stream_clickhouse__hot"]["pending"] == 2
+    assert cursor["stream_clickhouse"]["pending"] == 3 + 1
+    assert "pending" not in cursor["stream_clickhouse__quiet"]
+
+
 def test_partitions_sensor_fails_a_snapshot_run_whose_worker_is_gone_and_keeps_a_live_one(config):
     defs = build_definitions(config)
     gone = gone_worker_identity()
