@@ -63,10 +63,13 @@ TICK_BUDGET_SECONDS = 30.0
 # sensor a steady share of a small machine's CPU. Its state on the asset is refreshed as often.
 SETTLED_LOOK_SECONDS = 120.0
 # With many tables, settled ones are looked at no more often than this many a second in all (500
-# tables: every 250 s); what a look finds (a table dropped by hand, a state to show) waits longer.
-SETTLED_LOOKS_PER_SECOND = 2.0
+# tables to two targets: every 1,000 s). What such a look alone finds waits that long: a state to
+# show, a table gone from its target with nothing recorded. What else changes a settled table's
+# plan wakes it for the next tick, whatever the number of tables (`WakeUps`).
+SETTLED_LOOKS_PER_SECOND = 1.0
 SETTLED_KEY = "settled_at"  # in a table's cursor entry: when it was last found settled
 RESUME_KEY = "_resume"  # in the cursor: the table the next tick begins with (no table id starts with _)
+WAKE_KEY = "_wake_after"  # in the cursor: by event type, the newest event storage id WakeUps read
 
 # Metadata of the observation `siphon-dagster target drop` records on the target asset.
 DROPPED_METADATA = "siphon/dropped"
@@ -123,6 +126,51 @@ def _lost_partitions(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys:
     latest = instance.event_log_storage.get_latest_storage_id_by_partition(
         asset_key, DagsterEventType.ASSET_MATERIALIZATION, set(keys))
     return frozenset(key for key in keys if latest.get(key, -1) < drop)
+
+
+class WakeUps:
+    """The target assets with an event since the last tick that changes what the sensor decides for
+    a settled table: a run of a partition planned (a backfill, a run by hand) or failed, a drop
+    recorded (`record_drop`, `made_anew`). Read for every table at once, a few queries a tick: a
+    settled table is otherwise looked at only every `settled_look_interval`.
+
+    The first tick only notes where the event log ends (every table is looked at then). An event
+    stored with a smaller id after a newer one was read is missed here, and found by the table's
+    next settled look as before."""
+
+    EVENTS = (DagsterEventType.ASSET_MATERIALIZATION_PLANNED, DagsterEventType.ASSET_FAILED_TO_MATERIALIZE,
+              DagsterEventType.ASSET_OBSERVATION)
+    PAGE = 1000
+
+    def __init__(self, instance: dg.DagsterInstance, after: Mapping[str, int] | None) -> None:
+        storage = instance.event_log_storage
+        self.keys: set[dg.AssetKey] = set()
+        self.marks: dict[str, int] = dict(after or {})
+        for event_type in self.EVENTS:
+            mark = self.marks.get(event_type.value)
+            if mark is None:  # where the log ends now: nothing before it wakes a table
+                newest = storage.get_event_records(dg.EventRecordsFilter(event_type=event_type), limit=1)
+                self.marks[event_type.value] = newest[0].storage_id if newest else 0
+                continue
+            while True:
+                records = storage.get_event_records(
+                    dg.EventRecordsFilter(event_type=event_type, after_cursor=mark), limit=self.PAGE, ascending=True)
+                for record in records:
+                    if record.asset_key is not None and _wakes(record):
+                        self.keys.add(record.asset_key)
+                if records:
+                    mark = records[-1].storage_id
+                if len(records) < self.PAGE:
+                    break
+            self.marks[event_type.value] = mark
+
+    def woken(self, asset_key: dg.AssetKey) -> bool:
+        return asset_key in self.keys
+
+
+def _wakes(record: Any) -> bool:
+    observation = record.asset_observation
+    return observation is None or DROPPED_METADATA in observation.metadata  # observations: drops only
 
 
 def table_id(spec: TableSpec, target: str) -> str:
@@ -221,6 +269,8 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         # Tables left over by the last tick come first, so that every table has its turn.
         first = names.index(state[RESUME_KEY]) if state.get(RESUME_KEY) in names else 0
         cursor: dict[str, Any] = {name: state[name] for name in names if name in state}
+        wake_ups = WakeUps(context.instance, state.get(WAKE_KEY))
+        cursor[WAKE_KEY] = wake_ups.marks
 
         # Which tables the streaming runs serve: read once a tick, for every table at once.
         streaming: list[dict[tuple[str, str], str]] = []
@@ -252,7 +302,7 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
             for index in range(first, first + len(tables)):
                 spec, target = tables[index % len(tables)]
                 name = names[index % len(tables)]
-                if settled(name):
+                if settled(name) and not wake_ups.woken(spec.target_key(target)):
                     continue  # its cursor entry is carried over as it is
                 if index > first and time.monotonic() - started > tick_budget_seconds:
                     context.log.info(f"tick budget of {tick_budget_seconds:.0f}s spent: {name} and the tables after "

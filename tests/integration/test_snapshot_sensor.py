@@ -321,7 +321,7 @@ def test_a_drop_loads_again_the_ranges_filled_after_the_load_too(config):
         assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
 
 
-def test_a_settled_table_is_looked_at_again_only_after_its_interval(config):
+def test_a_settled_table_is_looked_at_again_after_its_interval_or_at_once_when_an_event_wakes_it(config):
     with dg.instance_for_test() as instance:
         harness = Harness(config, instance, settled_look_seconds=2.0)
         first = harness.tick()
@@ -329,14 +329,42 @@ def test_a_settled_table_is_looked_at_again_only_after_its_interval(config):
         assert all(harness.run(request).success for request in first.run_requests)
         assert state(harness.tick()) == "loaded"
         settled_at = harness.entry()["settled_at"]
-        record_drop(instance, harness.key, "the table")
-        quiet = harness.tick()  # within the interval: not looked at, the drop waits
+        # Gone from the target with nothing recorded: only a look finds it, after the interval.
+        harness.drop_at_target()
+        quiet = harness.tick()
         assert quiet.run_requests == [] and quiet.asset_events == []
         assert harness.entry()["settled_at"] == settled_at
         time.sleep(2.1)
         again = harness.tick()
         assert sorted(r.partition_key for r in again.run_requests) == sorted(harness.keys)
         assert "settled_at" not in harness.entry()
+        assert all(harness.run(request).success for request in again.run_requests)
+        assert state(harness.tick()) == "loaded"
+        settled_at = harness.entry()["settled_at"]
+
+        # A recorded drop wakes it for the next tick, within the interval.
+        record_drop(instance, harness.key, "the table")
+        woken = harness.tick()
+        assert sorted(r.partition_key for r in woken.run_requests) == sorted(harness.keys)
+        assert all(harness.run(request).success for request in woken.run_requests)
+        assert state(harness.tick()) == "loaded"
+
+        # So does a run of one of its partitions that failed (an operator's, say): retried at once.
+        key = harness.keys[0]
+        assert not harness.run(dg.RunRequest(asset_selection=[harness.key], partition_key=key), broken=True).success
+        retried = harness.tick()
+        assert [r.partition_key for r in retried.run_requests] == [key]
+        assert harness.entry()["failed"][key]["attempts"] == 2
+
+        # Events of other assets wake nothing.
+        assert all(harness.run(request).success for request in retried.run_requests)
+        assert state(harness.tick()) == "loaded"
+        settled_at = harness.entry()["settled_at"]
+        instance.report_runless_asset_event(dg.AssetObservation(
+            asset_key=dg.AssetKey(["elsewhere"]), metadata={DROPPED_METADATA: True}))
+        harness.drop_at_target()
+        assert harness.tick().run_requests == []
+        assert harness.entry()["settled_at"] == settled_at
 
 
 def with_a_second_table(config, postgres_dsn):
