@@ -55,6 +55,8 @@ _PROGRESS_SHARE_OF_ACK_WAIT = 1 / 3  # in-progress marks are sent this often, as
 _ACK_CONFIRM_SECONDS = 30.0  # how long the last ack of a batch waits for the server's confirmation
 # How long a request for the messages already waiting lingers when there are none.
 _TAKE_WAITING_SECONDS = 0.1
+# Requests in a row that may bring nothing while the server said more messages were waiting.
+_TAKE_WAITING_MISSES = 3
 
 
 class StreamConsumer:
@@ -196,7 +198,9 @@ class StreamConsumer:
                         if ahead.done() and not finishing.done():
                             following, ahead = await self._assemble_following(batch, ahead, finishing, subscription,
                                                                               _below(max_batches, summary.batches + 2))
-                    report = await finishing
+                    # Shielded: an interrupt here leaves the batch to end (written, acked) in the
+                    # `finally` below, which reports it, rather than cut between its ack and its report.
+                    report = await asyncio.shield(finishing)
                     finishing = None
                 if report is not None:
                     self._applied_any = True
@@ -219,8 +223,14 @@ class StreamConsumer:
                 await asyncio.wait({ahead})
                 _outcome_seen(ahead)
             if finishing is not None:
+                ended: BatchReport | None = None
                 with contextlib.suppress(Exception):
-                    await finishing  # a batch being written is written and acked, never left half-done
+                    ended = await finishing  # a batch being written is written and acked, never left half-done
+                if ended is not None:  # and reported: the caller hands on a report the interrupt cancels
+                    summary.add(ended)
+                    if on_batch is not None:
+                        with contextlib.suppress(Exception):
+                            on_batch(ended)
             self._end_turn()
             if following is not None and following.early is not None:
                 with contextlib.suppress(Exception):
@@ -306,7 +316,8 @@ class StreamConsumer:
             # run replays it in order (see _rewind_if_interrupted), so a run of hundreds of tables
             # ends after the batches it is writing, not after one more batch of every table.
             return []
-        return first + await self._take_waiting(subscription, len(first), sum(len(m.data) for m in first))
+        return first + await self._take_waiting(subscription, len(first), sum(len(m.data) for m in first),
+                                                int(first[-1].metadata.num_pending or 0))
 
     def _turns_contended(self) -> bool:
         return self.turns is not None and not self.pipelined and self.turns.locked()
@@ -358,22 +369,36 @@ class StreamConsumer:
             self.turns.release(turn)
 
     async def _take_waiting(self, subscription: JetStreamContext.PullSubscription, count: int,
-                            size: int) -> list[Msg]:
+                            size: int, pending_after: int = 0) -> list[Msg]:
         """The messages waiting for the consumer now, up to the batch limits beyond `count`
-        messages of `size` bytes already taken."""
+        messages of `size` bytes already taken; `pending_after`: how many the server had behind
+        the last of those when it delivered it.
+
+        A request's messages that arrive after its short wait (a busy process reads its socket
+        late) are not lost, but stay in the subscription until the table's next batch, a whole
+        round of the run's tables later, and past the ack wait they are delivered again. Each
+        message says how many were still behind it: while the last one taken says some were, the
+        batch takes again, up to a few requests that bring nothing."""
         limits = self.streaming
         messages: list[Msg] = []
+        misses = 0
         while count < limits.batch_max_messages and size < limits.batch_max_bytes:
             step = fetch_step(limits.batch_max_messages - count, limits.batch_max_bytes - size, size / max(count, 1))
             try:
                 got = await subscription.fetch(step, timeout=_TAKE_WAITING_SECONDS)
             except TimeoutError:
-                break
+                got = []
             messages += got
             count += len(got)
             size += sum(len(m.data) for m in got)
             self._unacked.update((id(m), m) for m in got)
-            if len(got) < step:  # the server had no more
+            if got:
+                pending_after, misses = int(got[-1].metadata.num_pending or 0), 0
+            else:
+                misses += 1
+            if len(got) < step and not pending_after:  # the server had no more
+                break
+            if misses > _TAKE_WAITING_MISSES:
                 break
         return messages
 

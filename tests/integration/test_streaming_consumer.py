@@ -457,3 +457,37 @@ def test_a_group_runs_batch_gathers_what_arrives_after_its_first_message(
     assert [r.messages for r in reports] == [1, 2]
     assert reports[0].latency_seconds < 6.0 and reports[1].latency_seconds >= 7.5
     target.close()
+
+
+def test_a_batch_takes_the_waiting_messages_that_arrive_after_its_request_s_short_wait(
+        monkeypatch: pytest.MonkeyPatch, nats_url: str, unique_name: str) -> None:
+    # A busy process reads its socket late: what a request brought after its wait would stay in the
+    # subscription until the table's next batch. The messages say how many were behind them, and
+    # the batch takes again while some were.
+    from types import SimpleNamespace
+
+    from siphon_dagster.streaming import consumer as consumer_module
+
+    monkeypatch.setattr(consumer_module, "_TAKE_WAITING_SECONDS", 0.002)
+    monkeypatch.setattr(consumer_module, "_TAKE_WAITING_MISSES", 50)
+    waiting = 900
+    publish(nats_url, unique_name, [bytes(1500) for _ in range(waiting)])
+    durable = naming.consumer_name("clickhouse", "public", "notes")
+
+    async def take() -> tuple[int, int]:
+        jetstream = queue(nats_url, unique_name)
+        await jetstream.connect()
+        try:
+            await jetstream.ensure_consumer(durable, naming.table_subject(unique_name, "public", "notes"))
+            subscription = await jetstream.pull_subscription(durable, naming.table_subject(unique_name, "public", "notes"))
+            first = await subscription.fetch(1, timeout=5)
+            batch = SimpleNamespace(streaming=StreamingConfig(), _unacked={})
+            taken = await StreamConsumer._take_waiting(batch, subscription, 1, len(first[0].data),
+                                                       int(first[0].metadata.num_pending or 0))
+            await asyncio.sleep(0.5)  # anything still on its way lands in the subscription meanwhile
+            return len(first) + len(taken), subscription.pending_msgs
+        finally:
+            await jetstream.close()
+
+    taken, left_in_subscription = asyncio.run(take())
+    assert (taken, left_in_subscription) == (waiting, 0)
