@@ -326,25 +326,29 @@ def test_backoff_grows_and_is_capped():
     assert backoff_seconds(20, 3) == 600
 
 
-def test_streaming_sensor_records_the_pending_count(config):
+def publish_with_consumers(config, schema, counts):
+    """`counts[table]` messages on each table's subject, behind its ClickHouse consumer."""
     from siphon_core.queue import JetStreamQueue, StreamSettings
 
-    spec = table_specs(config)[0]
-    subject = naming.table_subject(config.application_identifier, spec.schema, spec.name)
-    durable = naming.consumer_name("clickhouse", spec.schema, spec.name)
-
-    async def publish_three():
+    async def publish():
         queue = JetStreamQueue(config.queue.url, StreamSettings(config.application_identifier))
         await queue.connect()
         try:
             await queue.ensure_stream()
-            await queue.ensure_consumer(durable, subject)
-            for index in range(3):
-                await queue.publish(subject, b"x", message_id=f"m{index}")
+            for table, count in counts.items():
+                subject = naming.table_subject(config.application_identifier, schema, table)
+                await queue.ensure_consumer(naming.consumer_name("clickhouse", schema, table), subject)
+                for index in range(count):
+                    await queue.publish(subject, b"x", message_id=f"{table}-{index}")
         finally:
             await queue.close()
 
-    asyncio.run(publish_three())
+    asyncio.run(publish())
+
+
+def test_streaming_sensor_records_the_pending_count(config):
+    spec = table_specs(config)[0]
+    publish_with_consumers(config, spec.schema, {spec.name: 3})
     defs = build_definitions(config)
     with dg.instance_for_test() as instance:
         result = tick(defs, config, instance, "_streaming")
@@ -355,28 +359,11 @@ def test_streaming_sensor_sums_each_groups_pending_over_its_own_tables_consumers
     """One listing of the stream's consumers: each group counts its tables' consumers only, not a
     consumer of a table no longer configured, and a group none of whose consumers exists yet has
     no count."""
-    from siphon_core.queue import JetStreamQueue, StreamSettings
-
     raw = raw_config(postgres_dsn, nats_url, unique_name)
     raw["tables"] = [{"name": f"{unique_name}.{name}"} for name in ("hot", "warm", "cold", "idle")]
     raw["streaming"] = {"groups": {"hot": [f"{unique_name}.hot"], "quiet": [f"{unique_name}.idle"]}}
     config = parse_config(raw)
-    published = {"hot": 2, "warm": 3, "cold": 1, "gone": 5}  # `gone`: a table not configured
-
-    async def publish():
-        queue = JetStreamQueue(config.queue.url, StreamSettings(config.application_identifier))
-        await queue.connect()
-        try:
-            await queue.ensure_stream()
-            for table, count in published.items():
-                subject = naming.table_subject(config.application_identifier, unique_name, table)
-                await queue.ensure_consumer(naming.consumer_name("clickhouse", unique_name, table), subject)
-                for index in range(count):
-                    await queue.publish(subject, b"x", message_id=f"{table}-{index}")
-        finally:
-            await queue.close()
-
-    asyncio.run(publish())
+    publish_with_consumers(config, unique_name, {"hot": 2, "warm": 3, "cold": 1, "gone": 5})  # gone: not configured
     defs = build_definitions(config)
     with dg.instance_for_test() as instance:
         cursor = json.loads(tick(defs, config, instance, "_streaming").cursor)
