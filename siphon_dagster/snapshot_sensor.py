@@ -141,18 +141,21 @@ class WakeUps:
     EVENTS = (DagsterEventType.ASSET_MATERIALIZATION_PLANNED, DagsterEventType.ASSET_FAILED_TO_MATERIALIZE,
               DagsterEventType.ASSET_OBSERVATION)
     PAGE = 1000
+    # Pages read per event type a tick; beyond (a sensor stopped for days), every table is woken
+    # and the reading starts again from the log's end.
+    MAX_PAGES = 20
 
     def __init__(self, instance: dg.DagsterInstance, after: Mapping[str, int] | None) -> None:
         storage = instance.event_log_storage
         self.keys: set[dg.AssetKey] = set()
+        self.everything = False
         self.marks: dict[str, int] = dict(after or {})
         for event_type in self.EVENTS:
             mark = self.marks.get(event_type.value)
             if mark is None:  # where the log ends now: nothing before it wakes a table
-                newest = storage.get_event_records(dg.EventRecordsFilter(event_type=event_type), limit=1)
-                self.marks[event_type.value] = newest[0].storage_id if newest else 0
+                self.marks[event_type.value] = self._newest(storage, event_type)
                 continue
-            while True:
+            for _ in range(self.MAX_PAGES):
                 records = storage.get_event_records(
                     dg.EventRecordsFilter(event_type=event_type, after_cursor=mark), limit=self.PAGE, ascending=True)
                 for record in records:
@@ -162,10 +165,18 @@ class WakeUps:
                     mark = records[-1].storage_id
                 if len(records) < self.PAGE:
                     break
+            else:
+                self.everything = True
+                mark = self._newest(storage, event_type)
             self.marks[event_type.value] = mark
 
+    @staticmethod
+    def _newest(storage: Any, event_type: DagsterEventType) -> int:
+        newest = storage.get_event_records(dg.EventRecordsFilter(event_type=event_type), limit=1)
+        return newest[0].storage_id if newest else 0
+
     def woken(self, asset_key: dg.AssetKey) -> bool:
-        return asset_key in self.keys
+        return self.everything or asset_key in self.keys
 
 
 def _wakes(record: Any) -> bool:

@@ -367,6 +367,22 @@ def test_a_settled_table_is_looked_at_again_after_its_interval_or_at_once_when_a
         assert harness.entry()["settled_at"] == settled_at
 
 
+def test_more_events_than_a_tick_reads_wake_every_settled_table(config, monkeypatch):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance, settled_look_seconds=600.0)
+        harness.load_everything()
+        settled_at = harness.entry()["settled_at"]
+        monkeypatch.setattr(snapshot_sensor.WakeUps, "PAGE", 1)
+        monkeypatch.setattr(snapshot_sensor.WakeUps, "MAX_PAGES", 2)
+        for name in ("a", "b", "c"):  # drops of other assets, more than the tick reads
+            instance.report_runless_asset_event(dg.AssetObservation(
+                asset_key=dg.AssetKey(["elsewhere", name]), metadata={DROPPED_METADATA: True}))
+        harness.drop_at_target()
+        woken = harness.tick()  # looked at: the table missing at its target is loaded again
+        assert sorted(r.partition_key for r in woken.run_requests) == sorted(harness.keys)
+        assert harness.entry().get("settled_at") != settled_at
+
+
 def with_a_second_table(config, postgres_dsn):
     """The configuration with a second table, `other`, made at the source: (config, specs, definitions)."""
     schema = config.application_identifier
