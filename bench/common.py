@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -19,6 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from siphon_stack.nats import NatsServer  # noqa: E402
 from siphon_stack.postgres import PostgresServer, find_bindir  # noqa: E402
 from siphon_stack.process import free_port, port_accepts, start_process, stop_pid, wait_until  # noqa: E402
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT unwind the benchmark like Ctrl-C, so every process it started is stopped
+    on the way out: a shell that starts a job in the background has it ignore SIGINT, and SIGTERM
+    would otherwise end the benchmark alone, its `dagster dev` and servers left running."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
 
 # About 30 columns and 750 bytes a row, like a code-hosting application's notes.
 NOTES_DDL = """

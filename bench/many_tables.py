@@ -65,11 +65,12 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import clickhouse_connect
 import psycopg
 import yaml
-from common import print_json, print_table, services
+from common import print_json, print_table, services, stop_on_signals
 from psycopg import sql
 
 from siphon_core import naming
@@ -569,26 +570,43 @@ class CpuSplit:
         self.cores = {role: max(0.0, used - self._before.get(role, 0.0)) / seconds for role, used in after.items()}
 
 
-def run_metrics(port: int) -> dict[str, float]:
-    """Sums over every table of the streaming run's batch counters, from its /metrics."""
+def run_metrics(port: int, attempts: int = 3) -> dict[str, Any]:
+    """Sums over every table of the streaming run's batch counters, from its /metrics, and which
+    target's run that is (with both targets, the run that took the port first serves it).
+
+    A run busy with hundreds of tables can answer late: asked again, and when it never answers the
+    figures are NaN rather than the benchmark's end."""
     wanted = ("siphon_stream_batches_total", "siphon_stream_batch_seconds_sum", "siphon_stream_lag_seconds",
               "siphon_stream_pending_messages")
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+                text = response.read().decode()
+            break
+        except OSError as error:
+            print(f"the streaming run's /metrics did not answer ({error}); attempt {attempt + 1} of {attempts}",
+                  file=sys.stderr)
+    else:
+        nan = float("nan")
+        return {"batches": nan, "batch_seconds": nan, "lag_max_s": nan, "pending": nan, "phases": {}, "target": None}
     sums = dict.fromkeys(wanted, 0.0)
     peaks = dict.fromkeys(wanted, 0.0)
     phases: dict[str, float] = {}
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name == "siphon_stream_batch_phase_seconds_total":
-                phase = line.split('phase="', 1)[1].split('"', 1)[0]
-                phases[phase] = phases.get(phase, 0.0) + float(line.rsplit(" ", 1)[1])
-            if name in sums:
-                value = float(line.rsplit(" ", 1)[1])
-                sums[name] += value
-                peaks[name] = max(peaks[name], value)
+    target = None
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == "siphon_stream_batch_phase_seconds_total":
+            phase = line.split('phase="', 1)[1].split('"', 1)[0]
+            phases[phase] = phases.get(phase, 0.0) + float(line.rsplit(" ", 1)[1])
+        if name in sums:
+            value = float(line.rsplit(" ", 1)[1])
+            sums[name] += value
+            peaks[name] = max(peaks[name], value)
+            if target is None and 'target="' in line:
+                target = line.split('target="', 1)[1].split('"', 1)[0]
     return {"batches": sums["siphon_stream_batches_total"], "batch_seconds": sums["siphon_stream_batch_seconds_sum"],
             "lag_max_s": peaks["siphon_stream_lag_seconds"], "pending": sums["siphon_stream_pending_messages"],
-            "phases": phases}
+            "phases": phases, "target": target}
 
 
 def freshness(writer: Writer, poller: Poller, after: float) -> list[float]:
@@ -739,6 +757,7 @@ def main() -> int:
                         help="also replicate every table to Snowflake (a fakesnow server started here; a second "
                              "streaming run); freshness is ClickHouse's, and rows are compared at both targets")
     args = parser.parse_args()
+    stop_on_signals()
     names = table_names(args.tables, args.shapes)
     load_before = os.getloadavg()[0]
     bin_dir = Path(sys.executable).parent
@@ -921,6 +940,7 @@ def main() -> int:
         "batches_per_s": steady_batches / args.seconds if steady_batches else float("nan"),
         "batch_latency_mean_s": steady_batch_seconds / steady_batches if steady_batches else float("nan"),
         "lag_max_end_s": batches_after["lag_max_s"], "pending_end": batches_after["pending"],
+        "run_metrics_target": batches_after["target"],
         "batch_phase_mean_s": {phase: round((seconds - batches_before["phases"].get(phase, 0.0)) / steady_batches, 4)
                                for phase, seconds in batches_after["phases"].items()} if steady_batches else {},
         "cpu_cores": {role: round(cores, 3) for role, cores in sorted(cpu.cores.items(), key=lambda kv: -kv[1])},
@@ -952,7 +972,8 @@ def main() -> int:
     lag = (f"at the steady phase's end the greatest lag {figures['lag_max_end_s']:.1f} s and "
            f"{figures['pending_end']:.0f} messages pending")
     if figures["batch_phase_mean_s"]:
-        print(f"streaming run: {figures['batches_per_s']:.1f} batches/s, first message to ack "
+        print(f"streaming run ({figures['run_metrics_target'] or 'its target'}): "
+              f"{figures['batches_per_s']:.1f} batches/s, first message to ack "
               f"{figures['batch_latency_mean_s']:.2f} s on average; {lag}")
         print("  mean seconds per batch by phase: " + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds
                                                                in figures["batch_phase_mean_s"].items()))

@@ -35,6 +35,7 @@ from common import (
     print_json,
     print_table,
     services,
+    stop_on_signals,
     wait_for,
 )
 
@@ -227,6 +228,7 @@ def main() -> int:
     parser.add_argument("--steady-rate", type=int, default=10_000)
     parser.add_argument("--steady-seconds", type=int, default=20)
     args = parser.parse_args()
+    stop_on_signals()
     load_before = os.getloadavg()[0]
 
     with services(nats=True) as stack:

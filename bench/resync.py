@@ -21,7 +21,7 @@ import time
 
 import dagster as dg
 import psycopg
-from common import NOTES_INSERT_SELECT, create_notes_table, print_json, print_table, services
+from common import NOTES_INSERT_SELECT, create_notes_table, print_json, print_table, services, stop_on_signals
 
 from siphon_core.config import parse_config
 from siphon_dagster import runs, source
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--blocks-per-partition", type=int, default=8192)
     args = parser.parse_args()
+    stop_on_signals()
     with services(nats=False, clickhouse=True) as stack:
         dsn = stack.postgres.dsn
         create_notes_table(dsn)

@@ -19,7 +19,7 @@ import argparse
 import os
 import time
 
-from common import peak_rss_mb, print_json, print_table, services
+from common import peak_rss_mb, print_json, print_table, services, stop_on_signals
 from snapshot import (
     TABLE,
     Destination,
@@ -57,6 +57,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--drift", type=int, default=20, help="rows deleted by hand at the target")
     args = parser.parse_args()
+    stop_on_signals()
     with services(nats=False, clickhouse=True) as stack:
         dsn, clickhouse_pid = stack.dsn, stack.clickhouse_pid or 0
         print(f"loading {args.rows:,} notes rows...", flush=True)

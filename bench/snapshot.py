@@ -40,7 +40,15 @@ from urllib.parse import urlparse
 
 import clickhouse_connect
 import psycopg
-from common import NOTES_INSERT_SELECT, create_notes_table, peak_rss_mb, print_json, print_table, services
+from common import (
+    NOTES_INSERT_SELECT,
+    create_notes_table,
+    peak_rss_mb,
+    print_json,
+    print_table,
+    services,
+    stop_on_signals,
+)
 
 from siphon_core import naming
 from siphon_core.config import ClickHouseTargetConfig, TableConfig
@@ -313,6 +321,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="loads per worker count; the best is reported")
     parser.add_argument("--skip-whole-table", action="store_true", help="skip the one-partition memory check")
     args = parser.parse_args()
+    stop_on_signals()
     load_before = os.getloadavg()[0]
 
     with services(nats=True, clickhouse=True) as stack:

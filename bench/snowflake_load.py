@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import psycopg
 import pyarrow as pa
-from common import NOTES_INSERT_SELECT, create_notes_table, print_json, print_table, services
+from common import NOTES_INSERT_SELECT, create_notes_table, print_json, print_table, services, stop_on_signals
 
 from siphon_core.config import SnowflakeTargetConfig, TableConfig
 from siphon_dagster import source
@@ -145,6 +145,7 @@ def main() -> int:
     parser.add_argument("--small-batches", type=int, default=100)
     parser.add_argument("--small-batch-rows", type=int, default=10)
     args = parser.parse_args()
+    stop_on_signals()
     with services(nats=False) as started:
         table, chunks, insert_chunks = read_source(started.dsn, args.rows, min(args.rows, args.insert_rows))
         inputs = {"stage": (change_batches(table, chunks, args.batch_rows), chunks),

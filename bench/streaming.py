@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import statistics
 import sys
 import threading
@@ -53,7 +52,7 @@ from pathlib import Path
 import clickhouse_connect
 import psycopg
 import yaml
-from common import create_notes_table, print_json, print_table, services
+from common import create_notes_table, print_json, print_table, services, stop_on_signals
 from nats.js.errors import NotFoundError
 from producer import WORKLOAD, Producer, SlotWatch, cpu_seconds, current_lsn
 
@@ -647,9 +646,8 @@ def main() -> int:
     parser.add_argument("--batch-max-bytes", type=int, default=BACKLOG_BATCHES.batch_max_bytes,
                         help="streaming.batch_max_bytes of the timed backlog's run (default: a user's)")
     args = parser.parse_args()
+    stop_on_signals()
     load_before = os.getloadavg()[0]
-    # SIGTERM unwinds like Ctrl-C, so every process started here is stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     with services(nats=True, clickhouse=True) as stack:
         try:

@@ -8,6 +8,7 @@ import socket
 import urllib.request
 
 import pytest
+from prometheus_client import generate_latest
 
 from siphon_dagster.streaming import metrics
 from siphon_dagster.streaming.report import BatchReport
@@ -47,6 +48,18 @@ def test_a_batch_sets_position_lag_pending_and_counts_rows_by_operation() -> Non
     assert sample("siphon_stream_last_batch_timestamp_seconds", **where) > 1.7e9
     # Another target of the same table is a series of its own.
     assert sample("siphon_stream_batches_total", target="snowflake", table=table) is None
+
+
+def test_a_table_serves_its_series_without_created_timestamps() -> None:
+    # Hundreds of tables a run: every line counts, and the `_created` series were a quarter of them.
+    table = "public.created_lines"
+    metrics.record_batch("clickhouse", table, report(table=table))
+    exposition = generate_latest(metrics.METRICS.registry).decode()
+    lines = [line for line in exposition.splitlines() if f'table="{table}"' in line]
+    assert lines and not [line for line in lines if "_created" in line]
+    names = {line.split("{", 1)[0] for line in lines}
+    assert {"siphon_stream_batches_total", "siphon_stream_batch_seconds_bucket",
+            "siphon_stream_rows_total"} <= names
 
 
 def test_a_batch_of_dead_letters_only_keeps_the_last_position_and_lag() -> None:
