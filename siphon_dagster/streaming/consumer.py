@@ -215,6 +215,11 @@ class StreamConsumer:
                     pending = report.pending if report is not None else await self._pending()
                     if pending <= 0 and (ahead is None or not await ahead):
                         return
+                # Nothing of a written batch outlives it. The next pull waits for the table's next
+                # message and a turn, and through that wait a run of hundreds of tables kept every
+                # table's last batch: its messages, packages and folded rows. Behind a backlog, when
+                # batches are full, that grew the run by hundreds of MB.
+                messages, batch, report = [], None, None
         finally:
             if ahead is not None:
                 ahead.cancel()

@@ -5,6 +5,7 @@ applied by `StreamConsumer` through local Spark to the embedded ClickHouse serve
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -491,3 +492,40 @@ def test_a_batch_takes_the_waiting_messages_that_arrive_after_its_request_s_shor
 
     taken, left_in_subscription = asyncio.run(take())
     assert (taken, left_in_subscription) == (waiting, 0)
+
+
+def _alive(kind: type, subject: str | None = None) -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is kind and (subject is None or o.subject == subject))
+
+
+def test_a_written_batch_is_not_kept_while_its_table_waits_for_the_next(
+        request: pytest.FixtureRequest, nats_url: str, spark: SparkSession, unique_name: str) -> None:
+    # A run of hundreds of tables waits on each for its next message; a batch kept through that wait
+    # (messages, packages, folded rows) made every table hold its last one, and a run behind a
+    # backlog grew by hundreds of MB of full batches.
+    from nats.aio.msg import Msg
+
+    from siphon_dagster.streaming.apply import PreparedBatch
+
+    target = make_target(request, "clickhouse", unique_name)
+    publish(nats_url, unique_name, STORY[:3])
+    subject = naming.table_subject(unique_name, "public", "notes")
+    run = consumer(nats_url, unique_name, target, spark)
+    run.pipelined = False
+    run.idle_pull_seconds = 30.0
+    run.batch_wait = lambda: 0.0
+    reports: list[BatchReport] = []
+    worker = threading.Thread(target=run.run, kwargs={"max_batches": 2, "on_batch": reports.append})
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the loop is back at its pull, waiting for a message that is not there yet
+    kept_messages, kept_batches = _alive(Msg, subject), _alive(PreparedBatch)
+    publish(nats_url, unique_name, STORY[3:4])
+    worker.join(60)
+    assert not worker.is_alive()
+    assert [r.messages for r in reports] == [3, 1]
+    assert (kept_messages, kept_batches) == (0, 0)
+    target.close()
