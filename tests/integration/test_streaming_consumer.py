@@ -433,6 +433,22 @@ def test_a_group_runs_batch_takes_at_once_what_already_waits(request: pytest.Fix
     target.close()
 
 
+def group_run_in_background(run: StreamConsumer, batch_wait: float, max_batches: int = 2,
+                            first_report_within: float = 30.0) -> tuple[threading.Thread, list[BatchReport]]:
+    """Starts `run` as a group run's table (one batch in flight, a long wait for its next first
+    message) on a thread; returns once its first batch is reported, with the thread and the reports."""
+    run.pipelined = False
+    run.idle_pull_seconds = 30.0
+    run.batch_wait = lambda: batch_wait
+    reports: list[BatchReport] = []
+    worker = threading.Thread(target=run.run, kwargs={"max_batches": max_batches, "on_batch": reports.append})
+    worker.start()
+    deadline = time.monotonic() + first_report_within
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return worker, reports
+
+
 def test_a_group_runs_batch_gathers_what_arrives_after_its_first_message(
         request: pytest.FixtureRequest, nats_url: str, spark: SparkSession, unique_name: str) -> None:
     # A table's first batch goes at once (the table is not streaming until it lands); its later
@@ -440,15 +456,8 @@ def test_a_group_runs_batch_gathers_what_arrives_after_its_first_message(
     target = make_target(request, "clickhouse", unique_name)
     publish(nats_url, unique_name, STORY[:1])
     run = consumer(nats_url, unique_name, target, spark)
-    run.pipelined = False
-    run.idle_pull_seconds = 30.0
-    run.batch_wait = lambda: 8.0
-    reports: list[BatchReport] = []
-    worker = threading.Thread(target=run.run, kwargs={"max_batches": 2, "on_batch": reports.append})
-    worker.start()
+    worker, reports = group_run_in_background(run, batch_wait=8.0)
     deadline = time.monotonic() + 30
-    while not reports and time.monotonic() < deadline:
-        time.sleep(0.05)
     publish(nats_url, unique_name, STORY[1:2])
     while not run._unacked and time.monotonic() < deadline:  # the next first message is pulled: the batch gathers
         time.sleep(0.05)
@@ -511,16 +520,8 @@ def test_a_written_batch_is_not_kept_while_its_table_waits_for_the_next(
     target = make_target(request, "clickhouse", unique_name)
     publish(nats_url, unique_name, STORY[:3])
     subject = naming.table_subject(unique_name, "public", "notes")
-    run = consumer(nats_url, unique_name, target, spark)
-    run.pipelined = False
-    run.idle_pull_seconds = 30.0
-    run.batch_wait = lambda: 0.0
-    reports: list[BatchReport] = []
-    worker = threading.Thread(target=run.run, kwargs={"max_batches": 2, "on_batch": reports.append})
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not reports and time.monotonic() < deadline:
-        time.sleep(0.05)
+    worker, reports = group_run_in_background(consumer(nats_url, unique_name, target, spark), batch_wait=0.0,
+                                              first_report_within=60)
     time.sleep(0.5)  # the loop is back at its pull, waiting for a message that is not there yet
     kept_messages, kept_batches = _alive(Msg, subject), _alive(PreparedBatch)
     publish(nats_url, unique_name, STORY[3:4])
