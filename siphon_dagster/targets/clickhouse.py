@@ -11,9 +11,8 @@ The lifecycle is `sql_target.SqlTarget`'s; this module is ClickHouse's hooks.
 from __future__ import annotations
 
 import hashlib
-import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +41,7 @@ from siphon_dagster.targets.base import (
 from siphon_dagster.targets.names import TableNames
 from siphon_dagster.targets.sql_dialect import staging_names
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
+from siphon_dagster.targets.thread_connections import ConnectionPerThread
 from siphon_dagster.targets.type_mapping import clickhouse_type
 
 # Replacing versions is left to merges and to the view's FINAL: the same step run on every inserted
@@ -62,52 +62,25 @@ class _SnapshotStages:
     typed: list[tuple[str, str]]  # (target, its stage), the first one taking the text
 
 
-class _ClientPerThread:
-    """Stands for a clickhouse-connect client and hands each statement to its thread's own client,
-    opened on the thread's first statement. A client keeps a server session, and a session runs
-    one statement at a time: the targets of a streaming run's hundreds of tables share these few
-    clients (one per thread of the run's pool) instead of opening a client, and a session, each."""
-
-    def __init__(self, open_client: Callable[[], Any]) -> None:
-        self._open_client = open_client
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._clients: list[Any] = []
-
-    def __getattr__(self, name: str) -> Any:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = self._open_client()
-            with self._lock:
-                self._clients.append(client)
-        return getattr(client, name)
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients = self._clients, []
-        for client in clients:
-            client.close()
-
-
 class ClickHouseTarget(SqlTarget):
     dialect = sql.dialect
     driver_error = ClickHouseError
 
-    def __init__(self, config: ClickHouseTargetConfig, shared: _ClientPerThread | None = None) -> None:
+    def __init__(self, config: ClickHouseTargetConfig, shared: ConnectionPerThread | None = None) -> None:
         self.config = config
         self.dialect = sql.ClickHouseDialect(config.table_settings)
         self.database = config.database
         self.namespace = (config.database,)
         self._shared = shared  # the clients of the target this one is a sibling of
         self._landings: set[str] = set()  # landing tables (with their views) ensured by this target
-        self._sibling_clients: _ClientPerThread | None = None  # the clients this target's siblings share
+        self._sibling_clients: ConnectionPerThread | None = None  # the clients this target's siblings share
 
     def sibling(self) -> ClickHouseTarget:
         """A target of the same server for another table of a streaming run: its statements go
         through clients shared by every sibling, one per thread. Their requests all carry the
         batch settings, so a server session never switches settings between statements."""
         if self._sibling_clients is None:
-            self._sibling_clients = _ClientPerThread(lambda: self._open(settings=BATCH_INSERT_SETTINGS))
+            self._sibling_clients = ConnectionPerThread(lambda: self._open(settings=BATCH_INSERT_SETTINGS))
         sibling = ClickHouseTarget(self.config, shared=self._sibling_clients)
         self._share_shadow_lookups(sibling)
         return sibling
@@ -124,7 +97,7 @@ class ClickHouseTarget(SqlTarget):
     # -- connection ------------------------------------------------------------------------------
 
     def _connect(self) -> Any:
-        return self._shared if self._shared is not None else super()._connect()
+        return self._shared.connection() if self._shared is not None else super()._connect()
 
     def _open(self, settings: dict[str, Any] | None = None) -> Any:
         url = urlparse(self.config.url)

@@ -9,6 +9,7 @@ this module is Snowflake's hooks.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, islice
@@ -28,6 +29,7 @@ from siphon_dagster.targets.copy_text import iter_copy_rows
 from siphon_dagster.targets.names import TableNames
 from siphon_dagster.targets.snowflake_key import load_private_key
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
+from siphon_dagster.targets.thread_connections import ConnectionPerThread
 from siphon_dagster.targets.type_mapping import mapping_for, snowflake_type
 
 # Rows per INSERT ... VALUES statement into the stage, and an upper bound on its bind parameters.
@@ -45,14 +47,36 @@ class SnowflakeTarget(SqlTarget):
     dialect = sql.dialect
     driver_error = SnowflakeError
 
-    def __init__(self, config: SnowflakeTargetConfig) -> None:
+    def __init__(self, config: SnowflakeTargetConfig, shared: ConnectionPerThread | None = None) -> None:
         self.database = sql.configured_identifier(config.database)
         self.schema = sql.configured_identifier(config.schema_)
         self.namespace = (self.database, self.schema)
         self.config = config
-        self._load_stage: str | None = None  # this connection's temporary stage, once created
+        self._own_session: dict[str, Any] = {}  # what lives with this target's own connection
+        self._shared = shared  # the connections of the target this one is a sibling of
+        self._sibling_connections: ConnectionPerThread | None = None  # what this target's siblings share
+
+    def sibling(self) -> SnowflakeTarget:
+        """A target of the same account for another table of a streaming run: its statements go
+        through connections shared by every sibling, one per thread, each a session with its own
+        temporary stage. A run of hundreds of tables logs in as many times as it has threads."""
+        if self._sibling_connections is None:
+            self._sibling_connections = ConnectionPerThread(self._open, is_open=_session_open)
+        sibling = SnowflakeTarget(self.config, shared=self._sibling_connections)
+        self._share_shadow_lookups(sibling)
+        return sibling
 
     # -- connection ------------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        return self._shared.connection() if self._shared is not None else super()._connect()
+
+    def _session(self) -> dict[str, Any]:
+        """Values of the session the next statement runs in (its temporary stage, once made)."""
+        if self._shared is not None:
+            return self._shared.session()
+        self._connect()
+        return self._own_session
 
     def _open(self) -> Any:
         options: dict[str, Any] = {
@@ -85,8 +109,13 @@ class SnowflakeTarget(SqlTarget):
         return connection
 
     def close(self) -> None:
+        if self._shared is not None:
+            return  # the connections belong to the target this one is a sibling of
         super().close()
-        self._load_stage = None  # a temporary stage ends with its connection
+        self._own_session.clear()  # a temporary stage ends with its connection
+        if self._sibling_connections is not None:
+            self._sibling_connections.close()
+            self._sibling_connections = None
 
     @property
     def location(self) -> str:
@@ -97,9 +126,24 @@ class SnowflakeTarget(SqlTarget):
         return f"{where} (database {self.database}, schema {self.schema})"
 
     def _run(self, statement: str, params: Any) -> Any:
-        cursor = self._connect().cursor()
-        cursor.execute(statement, params)
+        try:
+            cursor = self._connect().cursor()
+            cursor.execute(statement, params)
+        except SnowflakeError as error:
+            if _session_gone(error):
+                self._drop_session()  # the batch fails; its retry logs in again
+            raise
         return cursor
+
+    def _drop_session(self) -> None:
+        if self._shared is not None:
+            self._shared.discard()
+            return
+        connection, self._connection = self._connection, None
+        self._own_session.clear()
+        if connection is not None:
+            with contextlib.suppress(SnowflakeError):
+                connection.close()
 
     def _query(self, statement: str, params: Any) -> list:
         return self._run(statement, params).fetchall()
@@ -237,11 +281,12 @@ class SnowflakeTarget(SqlTarget):
         return (self.config.account, self.config.user, self.config.role or "", self.database, self.schema)
 
     def _stage_for_load(self, names: TableNames) -> str | None:
-        """This connection's temporary stage, created on first use; None when the role may not create
+        """This session's temporary stage, created on first use; None when the role may not create
         one here (then every load of this process into this schema uses INSERT, said once)."""
         if stage.stage_refused(self._location()):
             return None
-        if self._load_stage is None:
+        session = self._session()
+        if "load_stage" not in session:
             name = stage.new_stage_name()
             try:
                 self._create_load_stage(name)
@@ -259,12 +304,12 @@ class SnowflakeTarget(SqlTarget):
                         error=str(error).splitlines()[0],
                     )
                 return None
-            self._load_stage = name
-        return self._load_stage
+            session["load_stage"] = name
+        return session["load_stage"]
 
     def _create_load_stage(self, name: str) -> None:
         self._statements += 1
-        self._connect().cursor().execute(stage.create_stage(name))
+        self._run(stage.create_stage(name), None)
 
     def _write_batch(self, names: TableNames, rows: pa.Table, targets: Sequence[str]) -> None:
         width = len(names.table.columns) + 2
@@ -300,6 +345,17 @@ class SnowflakeTarget(SqlTarget):
             count = self._fill_staging_table(names, staging, stage.copy_text_batches(names.table, checked_rows(), version))
             self._write_staged(names, staging, targets)
         return count
+
+
+def _session_open(connection: Any) -> bool:
+    return not connection.is_closed() and not getattr(connection, "expired", False)
+
+
+def _session_gone(error: SnowflakeError) -> bool:
+    """A connection exception (SQLSTATE class 08): the connection is closed, its session expired
+    beyond renewal, or it cannot reach the account. Another session may succeed where this one
+    cannot."""
+    return str(error.sqlstate or "").startswith("08")
 
 
 _NUMBER = re.compile(r"NUMBER\((\d+),(\d+)\)")

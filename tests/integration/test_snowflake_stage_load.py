@@ -9,6 +9,7 @@ path: `test_targets_version_rule.py` and `test_type_round_trip.py` (the `snowfla
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -130,7 +131,7 @@ def test_a_large_range_travels_as_several_files_in_one_copy(request: pytest.Fixt
     assert len(rows) == 4500 and rows[0] == ("0", "snap 0", "0") and rows[-1] == ("4499", "snap 4499", "4499")
     assert rows[5] == ("5", "stream, newer", "1")
     names = target._names(NOTES)  # noqa: SLF001
-    assert target._fetch(names, "listing the stage", f'LIST @"{target._load_stage}"') == []  # noqa: SLF001
+    assert target._fetch(names, "listing the stage", f'LIST @"{target._session()["load_stage"]}"') == []  # noqa: SLF001
     target.close()
 
 
@@ -234,3 +235,39 @@ def test_a_wide_batch_on_the_stage_path(request: pytest.FixtureRequest, unique_n
     current = target.current_rows_as_text(WIDE)
     assert sorted(current, key=lambda r: int(r[0])) == [r[:-2] for r in rows]
     target.close()
+
+
+def test_a_runs_tables_load_through_one_session_and_stage_per_thread(request: pytest.FixtureRequest,
+                                                                     unique_name: str) -> None:
+    """Siblings (a streaming run's tables) on one thread share its session and its temporary stage:
+    only the first load creates the stage. Another thread has a session of its own, and a session
+    that ended is replaced by a new one, with a new stage."""
+    first = make_target(request, "snowflake", unique_name, stage_min_rows=0)
+    tables = [renamed(NOTES, f"notes {k}") for k in range(3)]
+    siblings = [first.sibling() for _ in tables]  # type: ignore[attr-defined]
+    for sibling, table in zip(siblings, tables, strict=True):
+        sibling.ensure_table(table)
+    loads = []
+    for version, (sibling, table) in enumerate(zip(siblings, tables, strict=True), start=1):
+        sibling.apply_rows(table, numbered_rows(5, version=10 * version))
+        loads.append((sibling.last_load_path, sibling.last_load_statements))
+    # The first load's CREATE STAGE, then the stage path's six statements for every table.
+    assert loads == [("stage", 7), ("stage", 6), ("stage", 6)]
+    other_thread: list[tuple] = []
+    worker = threading.Thread(target=lambda: other_thread.append((
+        siblings[1].apply_rows(tables[1], numbered_rows(3, first=100)), siblings[1].last_load_statements)))
+    worker.start()
+    worker.join()
+    assert other_thread == [(3, 7)]  # a session, and a stage, of its own
+    shared = first._sibling_connections  # noqa: SLF001
+    assert shared is not None and shared.opened == 2
+    # The session ends under the run (its tokens gone, as when it expired beyond renewal): the
+    # connector answers 250002, SQLSTATE 08003. The batch fails; its retry logs in again.
+    siblings[2]._connect().rest.close()  # noqa: SLF001
+    with pytest.raises(TargetError, match=r"public\.notes 0.*Connection is closed"):
+        siblings[0].apply_rows(tables[0], numbered_rows(2, first=200))
+    siblings[0].apply_rows(tables[0], numbered_rows(2, first=200))
+    assert siblings[0].last_load_statements == 7 and shared.opened == 2  # a new session makes a new stage
+    assert [siblings[k].count_current(tables[k]) for k in range(3)] == [5 + 2, 5 + 3, 5]
+    first.close()
+    assert shared.opened == 0

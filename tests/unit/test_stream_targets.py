@@ -1,6 +1,6 @@
 """What a streaming run's targets share and save, without a server: the resync-shadow look-up a
-stream write may reuse, siblings that share a ClickHouse client per thread, and the embedded
-server's settings, put in force only when a request's differ from what is in force."""
+stream write may reuse, siblings that share a ClickHouse client or a Snowflake session per thread,
+and the embedded server's settings, put in force only when a request's differ from what is in force."""
 
 from __future__ import annotations
 
@@ -137,11 +137,45 @@ def test_siblings_share_one_client_per_thread_and_the_first_target_closes_them(m
     assert all(c.closed for c in opened)
 
 
-def test_a_snowflake_sibling_is_a_target_of_its_own() -> None:
+class FakeSession:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_snowflake_siblings_share_a_session_per_thread_and_a_session_that_ended_is_replaced(monkeypatch) -> None:
+    opened: list[FakeSession] = []
+
+    def fake_open(self: SnowflakeTarget) -> FakeSession:
+        opened.append(FakeSession())
+        return opened[-1]
+
+    monkeypatch.setattr(SnowflakeTarget, "_open", fake_open)
     first = SnowflakeTarget(SnowflakeTargetConfig(account="a", user="u", password="p", database="d", schema="s"))
     first.shadow_lookup_seconds = 3.0
-    sibling = first.sibling()
-    assert sibling is not first and sibling.config is first.config and sibling.shadow_lookup_seconds == 3.0
+    siblings = [first.sibling() for _ in range(50)]
+    assert all(s.shadow_lookup_seconds == 3.0 and s.config is first.config for s in siblings)
+    sessions = {id(s._connect()) for s in siblings}  # noqa: SLF001
+    siblings[0]._session()["load_stage"] = "stage_a"  # noqa: SLF001 - what the first stage load leaves
+    other: list[Any] = []
+    worker = threading.Thread(target=lambda: other.extend([siblings[7]._connect(), siblings[7]._session()]))  # noqa: SLF001
+    worker.start()
+    worker.join()
+    assert len(sessions) == 1 and id(other[0]) not in sessions and other[1] == {}  # one per thread, not per table
+    assert siblings[9]._session() == {"load_stage": "stage_a"}  # noqa: SLF001 - the thread's session, any table
+    # A session that ended (a dropped connection, an expiry) is opened anew, without its stage.
+    opened[0].closed = True
+    assert siblings[3]._connect() is opened[2] and siblings[3]._session() == {}  # noqa: SLF001
+    siblings[0].close()
+    assert not opened[2].closed and not opened[1].closed  # a sibling leaves the shared sessions open
+    first.close()
+    assert all(session.closed for session in opened)
+    assert siblings[0]._connect() is opened[3]  # noqa: SLF001 - a statement after the close opens one again
 
 
 def test_a_run_of_several_tables_decodes_its_batches_itself_unless_configured() -> None:
