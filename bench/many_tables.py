@@ -549,16 +549,15 @@ class CpuSplit:
 
     def __init__(self, parts: dict[str, Callable[[], list[int]]]) -> None:
         self.parts = parts
-        self._before: dict[str, float] = {}
+        self._before: dict[int, tuple[str, float]] = {}
         self._started = 0.0
         self.cores: dict[str, float] = {}
 
-    def _now(self) -> dict[str, float]:
-        used: dict[str, float] = {}
+    def _now(self) -> dict[int, tuple[str, float]]:
+        used: dict[int, tuple[str, float]] = {}
         for part, pids in self.parts.items():
             for pid in pids():
-                role = part if part != "dagster" else role_of(pid)
-                used[role] = used.get(role, 0.0) + cpu_seconds([pid])
+                used[pid] = (part if part != "dagster" else role_of(pid), cpu_seconds([pid]))
         return used
 
     def start(self) -> None:
@@ -566,8 +565,12 @@ class CpuSplit:
 
     def stop(self) -> None:
         after, seconds = self._now(), time.monotonic() - self._started
-        # A process started in the window counts whole; one that ended in it is not counted.
-        self.cores = {role: max(0.0, used - self._before.get(role, 0.0)) / seconds for role, used in after.items()}
+        # Per process: one started in the window counts whole, one that ended in it is not counted
+        # (a streaming run replaced in the window counts as its replacement's CPU, not as none).
+        self.cores = {}
+        for pid, (role, used) in after.items():
+            earlier = self._before.get(pid, (role, 0.0))[1]
+            self.cores[role] = self.cores.get(role, 0.0) + max(0.0, used - earlier) / seconds
 
 
 def run_metrics(port: int, attempts: int = 3) -> dict[str, Any]:
