@@ -281,8 +281,8 @@ class SnowflakeTarget(SqlTarget):
         return (self.config.account, self.config.user, self.config.role or "", self.database, self.schema)
 
     def _stage_for_load(self, names: TableNames) -> str | None:
-        """This session's temporary stage, created on first use; None when the role may not create
-        one here (then every load of this process into this schema uses INSERT, said once)."""
+        """The temporary stage of the connection the next statement runs on, created on first use;
+        None when the role may not create one here (then every load of this process into this schema uses INSERT, said once)."""
         if stage.stage_refused(self._location()):
             return None
         session = self._session()
