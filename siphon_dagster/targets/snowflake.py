@@ -282,7 +282,8 @@ class SnowflakeTarget(SqlTarget):
 
     def _stage_for_load(self, names: TableNames) -> str | None:
         """The temporary stage of the connection the next statement runs on, created on first use;
-        None when the role may not create one here (then every load of this process into this schema uses INSERT, said once)."""
+        None when the role may not create one here (then every load of this process into this
+        schema uses INSERT, said once)."""
         if stage.stage_refused(self._location()):
             return None
         session = self._session()
