@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
+@dataclass(eq=False)  # held connections are told apart by identity
 class _Held:
     connection: Any
     generation: int  # the `close` it was opened after: a closed pool's connections are not reused
