@@ -7,6 +7,7 @@ value is never reinterpreted by Python on the way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -135,7 +136,14 @@ class TargetRow:
 
 
 def change_batch_schema(table: TableSchema) -> pa.Schema:
-    fields = [pa.field(c.name, pa.string()) for c in table.columns]
+    return _change_batch_schema(table.column_names)
+
+
+@functools.lru_cache(maxsize=4096)
+def _change_batch_schema(names: tuple[str, ...]) -> pa.Schema:
+    # Asked twice for every batch of every table: building it each time cost a run of hundreds of
+    # tables 2% of its Python time.
+    fields = [pa.field(name, pa.string()) for name in names]
     fields.append(pa.field(VERSION_COLUMN, VERSION_ARROW_TYPE, nullable=False))
     fields.append(pa.field(DELETED_COLUMN, pa.bool_(), nullable=False))
     return pa.schema(fields)
