@@ -215,7 +215,8 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
                  run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float,
                  driver_decode_max_bytes: int | None = None, groups: int = 1,
                  idle_packages_per_second: float | None = None, snowflake: dict | None = None,
-                 idle_min_age_seconds: float | None = None, apply_threads: int | None = None) -> None:
+                 idle_min_age_seconds: float | None = None, apply_threads: int | None = None,
+                 materialization_interval_seconds: float = 60.0) -> None:
     # Groups beyond the first take every groups-th table (a share of the hot and the quiet ones
     # each); the first group is the run of the tables no group names.
     named = {f"part{g}": [f"public.{name}" for name in names[g::groups]] for g in range(1, groups)}
@@ -231,7 +232,7 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         "tables": [{"name": f"public.{name}"} for name in names],
         "targets": {"clickhouse": {"url": clickhouse_url, "database": DATABASE},
                     **({"snowflake": snowflake} if snowflake else {})},
-        "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": 60,
+        "streaming": {"batch_max_wait_seconds": batch_wait_seconds, "materialization_interval_seconds": materialization_interval_seconds,
                       "max_batches_per_second": max_batches_per_second, "metrics_port": run_metrics_port,
                       "driver_decode_max_bytes": driver_decode_max_bytes, **({"groups": named} if named else {}),
                       **({"apply_threads": apply_threads} if apply_threads else {})},
@@ -754,6 +755,9 @@ def main() -> int:
                         help="producer.idle_flush_min_age_seconds (default: the producer's own)")
     parser.add_argument("--apply-threads", type=int, default=None,
                         help="streaming.apply_threads: the run's turns, batches written at once (default: the run's own)")
+    parser.add_argument("--materialization-interval-seconds", type=float, default=60.0,
+                        help="streaming.materialization_interval_seconds: at most one materialization per table "
+                             "per this interval")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the stack's and Dagster's logs (they are kept anyway when rows differ)")
     parser.add_argument("--faults", action="store_true",
@@ -788,7 +792,8 @@ def main() -> int:
         run_metrics_port = free_port()
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
                      args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups,
-                     args.idle_packages_per_second, snowflake, args.idle_min_age_seconds, args.apply_threads)
+                     args.idle_packages_per_second, snowflake, args.idle_min_age_seconds, args.apply_threads,
+                     args.materialization_interval_seconds)
         create_tables(stack.dsn, names, args.shapes)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()

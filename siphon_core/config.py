@@ -435,6 +435,10 @@ class StreamingConfig(_Model):
     # A table's asset gets at most one materialization per interval, aggregating the batches between
     # (one sooner when a batch changed the schema or warned): hundreds of tables would flood the log.
     materialization_interval_seconds: float = Field(default=60.0, ge=0)
+    # And at most this many a second over a run's tables (schema changes and warnings aside): each
+    # costs writes to Dagster's event log that its sensors and daemon read. Tables past their
+    # interval take turns, the longest unreported first. null: no budget.
+    max_materializations_per_second: float | None = Field(default=2.0, gt=0)
     # Batches up to this many bytes of packages are decoded and folded in the run's own process by
     # the code the Spark tasks run: a Spark job costs tens of milliseconds however small its batch.
     # Unset: 1 MB for a run of one table, whose backlog Spark's executors decode in parallel, and

@@ -48,7 +48,8 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         from siphon_dagster.streaming.report import BatchReport
         from siphon_dagster.streaming.source_rows import SharedSourceRowReader
 
-        limiter = MaterializationLimiter(streaming.materialization_interval_seconds)
+        limiter = MaterializationLimiter(streaming.materialization_interval_seconds,
+                                         streaming.max_materializations_per_second)
         events = OpEvents(context)  # the run's reports, not kept in memory until it ends
 
         def materialize(aggregate: AggregatedBatches) -> None:

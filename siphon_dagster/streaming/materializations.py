@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from siphon_core import naming
 from siphon_dagster.streaming.report import BatchReport
 
+BURST_SECONDS = 5.0
+
 
 @dataclass
 class AggregatedBatches:
@@ -56,10 +58,24 @@ class AggregatedBatches:
 
 
 class MaterializationLimiter:
-    """Decides when a table's aggregated batches become a materialization. Not thread-safe."""
+    """Decides when a table's aggregated batches become a materialization. Not thread-safe.
 
-    def __init__(self, interval_seconds: float) -> None:
+    `max_per_second`: a budget over all the run's tables. Each materialization costs the run a few
+    writes to Dagster's event log, and the sensors and the daemon read them: at 500 tables and one
+    a minute each, a run on SQLite storage spent its reporting thread on them and its reports fell
+    minutes behind. Tables whose interval passed then wait their turn, the longest unreported (a
+    table never materialized) first, and aggregate on. Schema changes and warnings never wait.
+    """
+
+    def __init__(self, interval_seconds: float, max_per_second: float | None = None) -> None:
         self.interval_seconds = interval_seconds
+        self.max_per_second = max_per_second
+        # Up to BURST_SECONDS of the budget may go at once: a run of a few tables reports them all
+        # together, and a tick (every few seconds) finds the budget of the seconds since the last.
+        self._capacity = max(1.0, (max_per_second or 0.0) * BURST_SECONDS)
+        self._tokens = self._capacity
+        self._refilled_at: float | None = None
+        self._behind = False  # the last look left tables due for want of budget
         self._open: dict[str, AggregatedBatches] = {}
         self._last: dict[str, float] = {}
 
@@ -67,8 +83,12 @@ class MaterializationLimiter:
         """Adds a batch; returns the aggregate to materialize now, or None to wait."""
         aggregate = self._open.setdefault(report.table, AggregatedBatches(report.table))
         aggregate.add(report)
-        urgent = report.schema_changed or bool(report.warnings)
-        if urgent or now - self._last.get(report.table, -math.inf) >= self.interval_seconds:
+        if report.schema_changed or report.warnings:
+            self._spend(now, force=True)
+            return self._take(report.table, now)
+        # While tables wait for the budget, a table's batch does not go before them: `due` serves
+        # them, longest waiting first.
+        if self._is_due(report.table, now) and not self._behind and self._spend(now):
             return self._take(report.table, now)
         return None
 
@@ -78,13 +98,37 @@ class MaterializationLimiter:
 
     def due(self, now: float) -> list[AggregatedBatches]:
         """Aggregates whose interval has passed since their table's last materialization (a table
-        that went quiet after a batch is reported without waiting for another)."""
-        return [self._take(table, now) for table in list(self._open)
-                if now - self._last.get(table, -math.inf) >= self.interval_seconds]
+        that went quiet after a batch is reported without waiting for another), as many as the
+        budget allows."""
+        waiting = sorted((table for table in self._open if self._is_due(table, now)),
+                         key=lambda table: self._last.get(table, -math.inf))
+        taken = []
+        for table in waiting:
+            if not self._spend(now):
+                break
+            taken.append(self._take(table, now))
+        self._behind = len(taken) < len(waiting)
+        return taken
 
     def flush(self, now: float) -> list[AggregatedBatches]:
         """Every aggregate still open, e.g. when the run ends."""
         return [self._take(table, now) for table in list(self._open)]
+
+    def _is_due(self, table: str, now: float) -> bool:
+        return now - self._last.get(table, -math.inf) >= self.interval_seconds
+
+    def _spend(self, now: float, force: bool = False) -> bool:
+        """Takes one materialization from the budget; `force`: even below nothing (the tables
+        waiting then wait longer)."""
+        if self.max_per_second is None:
+            return True
+        if self._refilled_at is not None:
+            self._tokens = min(self._capacity, self._tokens + (now - self._refilled_at) * self.max_per_second)
+        self._refilled_at = now
+        if self._tokens >= 1.0 or force:
+            self._tokens -= 1.0
+            return True
+        return False
 
     def _take(self, table: str, now: float) -> AggregatedBatches:
         self._last[table] = now

@@ -120,6 +120,44 @@ def test_batches_an_interrupt_left_unreported_join_their_tables_aggregates_for_t
     assert left["public.events"].batches == 1
 
 
+def test_a_run_s_budget_holds_due_tables_back_and_serves_the_longest_unreported_first():
+    limiter = MaterializationLimiter(60, max_per_second=1.0)  # up to 5 at once (BURST_SECONDS)
+    tables = [f"public.t{i}" for i in range(8)]
+    taken = [limiter.add(report(table), now=0) for table in tables]
+    assert [a.table for a in taken if a is not None] == tables[:5]
+    # Every table has a batch open; t5 - t7 never got their first materialization.
+    for table in tables[:5]:
+        assert limiter.add(report(table, sequence=2), now=1) is None  # within the interval
+    assert [a.table for a in limiter.due(now=2)] == ["public.t5", "public.t6"]  # 2 s of budget
+    # While t7 waits, a due table's batch does not go ahead of it.
+    assert limiter.add(report("public.t0", sequence=3), now=61) is None
+    assert [a.table for a in limiter.due(now=62)] == ["public.t7", "public.t0", "public.t1", "public.t2",
+                                                        "public.t3"]
+    assert [a.table for a in limiter.due(now=63)] == ["public.t4"]
+    # Nothing waits now: a due batch goes at once when the budget has room.
+    assert limiter.add(report("public.t5", sequence=4), now=125) is not None
+
+
+def test_a_schema_change_goes_at_once_even_with_the_budget_spent():
+    limiter = MaterializationLimiter(60, max_per_second=0.2)  # one at once
+    assert limiter.add(report("public.notes"), now=0) is not None
+    assert limiter.add(report("public.events"), now=0) is None
+    changed = limiter.add(report("public.events", schema_changed=True, sequence=2), now=0.5)
+    assert changed is not None and changed.batches == 2
+    # The forced one was spent from the budget: the next table waits for it to refill.
+    assert limiter.add(report("public.orders"), now=1) is None
+    assert limiter.due(now=6) == []
+    assert [a.table for a in limiter.due(now=11)] == ["public.orders"]
+
+
+def test_a_configured_budget_reaches_the_run_s_limiter():
+    config = parse_config({**BASE, "streaming": {"max_materializations_per_second": 0.5}})
+    assert config.streaming.max_materializations_per_second == 0.5
+    assert parse_config(BASE).streaming.max_materializations_per_second == 2.0
+    with pytest.raises(ConfigError, match="max_materializations_per_second"):
+        parse_config({**BASE, "streaming": {"max_materializations_per_second": 0}})
+
+
 def test_the_tables_streaming_are_read_off_the_group_runs_and_single_table_drains():
     import dagster as dg
     from dagster._core.test_utils import create_run_for_test
