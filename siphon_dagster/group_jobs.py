@@ -76,8 +76,10 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 context.log.info(f"no table at {group.target} for {len(names)} table(s), so the stream made them and the "
                                  f"snapshot sensor loads them again: {', '.join(names)}")
 
-        def note_batch(report: BatchReport) -> None:
+        def record(report: BatchReport) -> None:  # on the run's event loop, as the batch is acked
             stream_metrics.record_batch(group.target, report.table, report)
+
+        def note_batch(report: BatchReport) -> None:
             if report.created_table:
                 made.append(report.table)
                 events.log(made_anew(specs[report.table].target_key(group.target),
@@ -149,7 +151,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         # tables already streaming keep the target's own number of turns.
         runner = GroupRunner(queue, [spec.table for spec in group.specs], make_consumer, on_batch, on_failure,
                              retry_initial_seconds=config.retry_initial_seconds,
-                             tick=tick,
+                             tick=tick, on_applied=record,
                              pace=pace, apply_threads=apply_threads, first_batch_turns=apply_threads)
         started = time.monotonic()
         context.log.info(f"streaming {len(specs)} tables to {group.target}: {', '.join(group.tables)}")

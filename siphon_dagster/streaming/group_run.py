@@ -59,11 +59,16 @@ class GroupRunner:
                  retry_initial_seconds: float = 15.0, retry_max_seconds: float = 600.0,
                  tick: Callable[[], None] | None = None, tick_seconds: float = 5.0,
                  pace: BatchPace | None = None, apply_threads: int = 16, setup_concurrency: int = 8,
-                 decode_concurrency: int | None = None, first_batch_turns: int = 0) -> None:
+                 decode_concurrency: int | None = None, first_batch_turns: int = 0,
+                 on_applied: Callable[[BatchReport], None] | None = None) -> None:
         self.queue = queue
         self.tables = list(tables)
         self.make_consumer = make_consumer
         self.on_batch = on_batch
+        # Called on the event loop as each batch is acked, before on_batch is queued for the
+        # reporting thread: it must be quick (the run's metrics), and it is never late, where the
+        # reports fall behind when Dagster's event log is slow.
+        self.on_applied = on_applied
         self.on_failure = on_failure
         self.retry_initial_seconds = retry_initial_seconds
         self.retry_max_seconds = retry_max_seconds
@@ -265,6 +270,11 @@ class GroupRunner:
                 _log.info("every table applied a batch", tables=len(self.tables),
                           seconds=round(time.monotonic() - self._started_at, 1))
         totals.add(report)
+        if self.on_applied is not None:
+            try:
+                self.on_applied(report)
+            except Exception as error:  # like a report, it must not end the run
+                _log.warning("recording a batch failed", error=str(error))
         future = self._report(self.on_batch, report)
         if future is not None:  # called on the event loop only
             self._batch_reports.append((future, report))

@@ -309,13 +309,20 @@ def test_an_interrupted_run_hands_back_the_applied_batches_whose_reports_it_had_
             threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
         time.sleep(0.3)  # an event log that takes its time: reports queue up behind it
 
-    runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, lambda failure: None)
+    applied: list[tuple[BatchReport, str]] = []  # what the run's metrics record, and on which thread
+    runner = GroupRunner(consumers.shared, list(config.tables), consumers, on_batch, lambda failure: None,
+                         on_applied=lambda report: applied.append((report, threading.current_thread().name)))
     with raise_interrupts_as(DagsterExecutionInterruptedError), pytest.raises(DagsterExecutionInterruptedError):
         runner.run()
     unreported = runner.unreported_batches()
     assert unreported, "no report was queued when the interrupt came: nothing was tested"
     first_run = reported + unreported
     assert len({(r.table, r.first_sequence) for r in first_run}) == len(first_run), "a batch reported twice"
+    # The metrics' hook saw every applied batch once, as it was acked, on the run's own thread, not
+    # behind the reports.
+    assert sorted((r.table, r.first_sequence) for r, _ in applied) == \
+        sorted((r.table, r.first_sequence) for r in first_run)
+    assert {thread for _, thread in applied} == {threading.current_thread().name}
     assert any(r.created_table for r in first_run)
     drain = Consumers(config, StreamingConfig(batch_max_messages=50, batch_max_wait_seconds=0.05))
     drained: list[BatchReport] = []
