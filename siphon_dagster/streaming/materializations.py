@@ -118,15 +118,16 @@ class MaterializationLimiter:
         return now - self._last.get(table, -math.inf) >= self.interval_seconds
 
     def _spend(self, now: float, force: bool = False) -> bool:
-        """Takes one materialization from the budget; `force`: even below nothing (the tables
-        waiting then wait longer)."""
+        """Takes one materialization from the budget; `force`: even below nothing, down to one
+        burst below (the tables waiting then wait longer, but a schema change of hundreds of tables
+        at once does not hold every routine materialization back for minutes)."""
         if self.max_per_second is None:
             return True
         if self._refilled_at is not None:
             self._tokens = min(self._capacity, self._tokens + (now - self._refilled_at) * self.max_per_second)
         self._refilled_at = now
         if self._tokens >= 1.0 or force:
-            self._tokens -= 1.0
+            self._tokens = max(-self._capacity, self._tokens - 1.0)
             return True
         return False
 

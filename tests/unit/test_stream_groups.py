@@ -150,6 +150,15 @@ def test_a_schema_change_goes_at_once_even_with_the_budget_spent():
     assert [a.table for a in limiter.due(now=11)] == ["public.orders"]
 
 
+def test_many_schema_changes_at_once_hold_routine_materializations_back_one_burst_at_most():
+    limiter = MaterializationLimiter(60, max_per_second=1.0)  # 5 at once
+    for i in range(100):
+        assert limiter.add(report(f"public.t{i}", schema_changed=True), now=0) is not None
+    assert limiter.add(report("public.quiet"), now=0) is None
+    assert limiter.due(now=5) == []  # the budget is 5 below nothing, not 95
+    assert [a.table for a in limiter.due(now=11)] == ["public.quiet"]
+
+
 def test_a_configured_budget_reaches_the_run_s_limiter():
     config = parse_config({**BASE, "streaming": {"max_materializations_per_second": 0.5}})
     assert config.streaming.max_materializations_per_second == 0.5
