@@ -598,16 +598,21 @@ def run_metrics(port: int, attempts: int = 3) -> dict[str, Any]:
                   file=sys.stderr)
     else:
         nan = float("nan")
-        return {"batches": nan, "batch_seconds": nan, "lag_max_s": nan, "pending": nan, "phases": {}, "target": None}
+        return {"batches": nan, "batch_seconds": nan, "lag_max_s": nan, "pending": nan, "phases": {}, "gathered": {},
+                "target": None}
     sums = dict.fromkeys(wanted, 0.0)
     peaks = dict.fromkeys(wanted, 0.0)
     phases: dict[str, float] = {}
+    gathered: dict[str, float] = {}  # batches by how they gathered (a run at its capacity: waiting for a turn)
     target = None
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name == "siphon_stream_batch_phase_seconds_total":
             phase = line.split('phase="', 1)[1].split('"', 1)[0]
             phases[phase] = phases.get(phase, 0.0) + float(line.rsplit(" ", 1)[1])
+        if name == "siphon_stream_batches_gathered_total":
+            how = line.split('how="', 1)[1].split('"', 1)[0]
+            gathered[how] = gathered.get(how, 0.0) + float(line.rsplit(" ", 1)[1])
         if name in sums:
             value = float(line.rsplit(" ", 1)[1])
             sums[name] += value
@@ -616,7 +621,7 @@ def run_metrics(port: int, attempts: int = 3) -> dict[str, Any]:
                 target = line.split('target="', 1)[1].split('"', 1)[0]
     return {"batches": sums["siphon_stream_batches_total"], "batch_seconds": sums["siphon_stream_batch_seconds_sum"],
             "lag_max_s": peaks["siphon_stream_lag_seconds"], "pending": sums["siphon_stream_pending_messages"],
-            "phases": phases, "target": target}
+            "phases": phases, "gathered": gathered, "target": target}
 
 
 def freshness(writer: Writer, poller: Poller, after: float, at_return: bool = False) -> list[float]:
@@ -963,6 +968,8 @@ def main() -> int:
         "run_metrics_target": batches_after["target"],
         "batch_phase_mean_s": {phase: round((seconds - batches_before["phases"].get(phase, 0.0)) / steady_batches, 4)
                                for phase, seconds in batches_after["phases"].items()} if steady_batches else {},
+        "batches_gathered_share": {how: round((count - batches_before["gathered"].get(how, 0.0)) / steady_batches, 3)
+                                   for how, count in batches_after["gathered"].items()} if steady_batches else {},
         "cpu_cores": {role: round(cores, 3) for role, cores in sorted(cpu.cores.items(), key=lambda kv: -kv[1])},
         "startup_batches": batches_before["batches"],
         "startup_batch_phase_mean_s": {phase: round(seconds / batches_before["batches"], 4)
@@ -997,6 +1004,9 @@ def main() -> int:
               f"{figures['batch_latency_mean_s']:.2f} s on average; {lag}")
         print("  mean seconds per batch by phase: " + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds
                                                                in figures["batch_phase_mean_s"].items()))
+        if figures["batches_gathered_share"]:
+            print("  how batches gathered: " + ", ".join(f"{how} {share:.0%}" for how, share
+                                                          in sorted(figures["batches_gathered_share"].items())))
     else:
         # A run replaced during the phase starts its counters again: no rate over the phase to give.
         print(f"streaming run: batches not counted over the phase (runs killed or replaced); {lag}")

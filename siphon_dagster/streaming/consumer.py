@@ -38,6 +38,7 @@ from siphon_core.wire.packages import PackageError
 from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier, PreparedBatch
 from siphon_dagster.streaming.batch import MAX_EXPANSION_OF_MESSAGE_LIMIT, PackageAssembler, ReceivedPackage
 from siphon_dagster.streaming.interrupts import run_interruptibly
+from siphon_dagster.streaming.pace import GATHERED_PACED, gathering
 from siphon_dagster.streaming.report import BatchReport, RunSummary
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.strategy import ErrorStrategy, RetryPolicy, StreamApplyError
@@ -117,6 +118,7 @@ class StreamConsumer:
         self.strategy.sleep = self._wait_without_turn
         self._turn: Turn | None = None  # the turn this table's batch holds
         self._turn_seconds = 0.0  # how long the batch being pulled waited for its turn
+        self._gathered: str | None = None  # how the batch being pulled gathered (GATHERED_*), group runs only
         self._last_schema: object = None
         self._first_message_at = 0.0  # when a group run's pull got its batch's first message
         self._stopping = threading.Event()
@@ -314,7 +316,8 @@ class StreamConsumer:
         # turn, and waiting first as well only made a quiet table's change later (p95 16.9 -> 13.6 s
         # at 200 tables). A table's first batch never waits for it: the table is not streaming
         # until that batch lands, and its turns of its own are seldom all taken.
-        if not first[-1].metadata.num_pending and self._applied_any and not self._turns_contended():
+        self._gathered = gathering(bool(first[-1].metadata.num_pending), self._applied_any, self._turns_contended())
+        if self._gathered == GATHERED_PACED:
             await asyncio.sleep(wait)
         if not await self._take_turn():
             # Stopped while waiting for a turn: the first message stays unacknowledged, and the next
@@ -445,8 +448,9 @@ class StreamConsumer:
         done = [s for p in packages for s in p.sequences] + self._assembler.take_abandoned()
         prepared = asyncio.create_task(self._prepare(packages, after)) if packages else None
         turn_seconds, self._turn_seconds = self._turn_seconds, 0.0
+        gathered, self._gathered = self._gathered, None
         return _Batch(messages, packages, by_sequence, dead_lettered, done, pulled_at,
-                      round(time.perf_counter() - pulled_at - turn_seconds, 4), prepared, turn_seconds)
+                      round(time.perf_counter() - pulled_at - turn_seconds, 4), prepared, turn_seconds, gathered)
 
     def _accept(self, numbered: Sequence[tuple[int, bytes]]) -> tuple[list[ReceivedPackage],
                                                                        list[tuple[int, PackageError]]]:
@@ -517,7 +521,7 @@ class StreamConsumer:
             schema_changed = self._last_schema is not None and applied.schema != self._last_schema
             self._last_schema = applied.schema
         report = self._report(batch.messages, batch.packages, applied, dead_lettered, batch.pulled_at, timings,
-                              await self._pending_after(batch), warnings)
+                              await self._pending_after(batch), warnings, batch.gathered)
         if schema_changed or created:
             report = dataclasses.replace(report, schema_changed=schema_changed, created_table=created)
         return report
@@ -540,7 +544,7 @@ class StreamConsumer:
 
     def _report(self, messages: Sequence[Msg], packages: Sequence[ReceivedPackage], applied: AppliedBatch | None,
                 dead_lettered: list[int], pulled_at: float, timings: dict[str, float], pending: int,
-                warnings: list[str]) -> BatchReport:
+                warnings: list[str], gathered: str | None = None) -> BatchReport:
         sequences = [m.metadata.sequence.stream for m in messages]
         applied_packages = [p for p in packages if p.sequence not in dead_lettered]
         operations: dict[str, int] = {}
@@ -564,6 +568,7 @@ class StreamConsumer:
             prepared_early=applied.prepared_early if applied is not None else False,
             load_path=applied.load_path if applied is not None else None,
             decoded_in_driver=applied.in_driver if applied is not None else False,
+            gathered=gathered,
         )
 
 
@@ -580,6 +585,7 @@ class _Batch:
     pull_seconds: float
     early: asyncio.Task[PreparedBatch | None] | None  # its Spark work, started when it was assembled
     turn_seconds: float = 0.0  # how long it waited for a group run's turn before taking its messages
+    gathered: str | None = None  # how a group run's batch gathered its messages (GATHERED_*)
 
 
 def fetch_step(messages_left: int, bytes_left: int, message_bytes: float) -> int:

@@ -66,6 +66,11 @@ class StreamingMetrics:
         self.phase_seconds = Counter("siphon_stream_batch_phase_seconds",
                                      "Seconds the target's batches spent in each phase of their apply",
                                      ["target", "phase"], registry=r)
+        # Per target: how a group run's batches gathered (the pace's wait, in line for a turn, a
+        # backlog, a table's first), to tell a run held by its pace from one at its capacity.
+        self.batches_gathered = Counter("siphon_stream_batches_gathered_total",
+                                        "A group run's batches by how they gathered their messages",
+                                        ["target", "how"], registry=r)
         self.check_passed = Gauge("siphon_check_passed",
                                   "1 when the asset check's last evaluation passed, 0 when it failed",
                                   ["asset", "check", "severity"], registry=r)
@@ -94,6 +99,8 @@ class StreamingMetrics:
         self.batch_seconds.labels(*labels).observe(max(0.0, report.latency_seconds))
         for phase, seconds in report.seconds.items():
             self.phase_seconds.labels(target, phase).inc(max(0.0, seconds))
+        if report.gathered is not None:
+            self.batches_gathered.labels(target, report.gathered).inc()
 
     def record_check(self, asset: str, check: str, passed: bool, severity: str) -> None:
         severity = severity.lower()

@@ -44,3 +44,21 @@ class BatchPace:
             self._wait = min(self.ceiling_seconds, max(self.floor_seconds, wanted))
             self._computed_at = now
         return self._wait
+
+
+# How a group run's batch gathered its messages after the first arrived, counted per target
+# (`siphon_stream_batches_gathered_total`): nearly every batch waiting for a turn says the run's
+# apply (its CPU, or the target) sets its pace, not `max_batches_per_second`.
+GATHERED_BACKLOG = "backlog"  # more were already waiting: taken at once
+GATHERED_FIRST = "first_batch"  # the table's first batch, which does not wait for the pace
+GATHERED_IN_LINE = "waiting_for_turn"  # every turn was taken: it gathered while in line for one
+GATHERED_PACED = "paced"  # it waited the pace's time (`BatchPace`), then took what had arrived
+
+
+def gathering(backlog: bool, applied_any: bool, turns_taken: bool) -> str:
+    """How a batch whose first message just arrived gathers the rest (GATHERED_*)."""
+    if backlog:
+        return GATHERED_BACKLOG
+    if not applied_any:
+        return GATHERED_FIRST
+    return GATHERED_IN_LINE if turns_taken else GATHERED_PACED

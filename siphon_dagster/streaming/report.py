@@ -33,6 +33,7 @@ class BatchReport:
     decoded_in_driver: bool = False  # small batch: decoded in the run's process, not by Spark tasks
     # The target had no table and this batch made it: whatever it held before is not there.
     created_table: bool = False
+    gathered: str | None = None  # how a group run's batch gathered its messages (pace.GATHERED_*)
 
     @property
     def applied_lsn_text(self) -> str:

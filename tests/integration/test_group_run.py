@@ -386,6 +386,8 @@ def test_a_group_run_takes_no_more_batches_at_once_than_it_writes(request, nats_
     assert {name: totals.events for name, totals in summary.tables.items()} == {f"public.{n}": 30 for n in names}
     assert most_taken[0] == 2
     assert sum(r.seconds["queued"] for r in reports) > 0  # waiting for a turn is reported as queued
+    # Every table's backlog was waiting when its batches began: none waited for the pace.
+    assert {r.gathered for r in reports} <= {"backlog", "waiting_for_turn"} and "backlog" in {r.gathered for r in reports}
     consumers.close()
 
 
@@ -541,4 +543,5 @@ def test_a_tables_first_batch_does_not_wait_for_the_pace_and_its_later_ones_do(
     assert len(reports) == 2
     assert reports[0].latency_seconds < 5.0  # from its message's pull to its ack: no 8 s of pace
     assert reports[1].latency_seconds >= 7.5  # a later batch of a quiet table collects for the pace
+    assert [r.gathered for r in reports] == ["first_batch", "paced"]  # as /metrics counts them
     consumers.close()

@@ -1,4 +1,13 @@
-from siphon_dagster.streaming.pace import BUSY_WITHIN_SECONDS, CEILING_SECONDS, BatchPace
+from siphon_dagster.streaming.pace import (
+    BUSY_WITHIN_SECONDS,
+    CEILING_SECONDS,
+    GATHERED_BACKLOG,
+    GATHERED_FIRST,
+    GATHERED_IN_LINE,
+    GATHERED_PACED,
+    BatchPace,
+    gathering,
+)
 
 
 class Clock:
@@ -42,3 +51,12 @@ def test_tables_gone_quiet_stop_counting():
 
 def test_a_ceiling_below_the_configured_wait_keeps_the_configured_wait():
     assert busy(100, floor=8.0, budget=1).wait_seconds() == 8.0
+
+
+def test_a_batch_waits_for_the_pace_only_when_nothing_else_sets_its_gathering():
+    # Messages already waiting are a backlog whatever else holds; a table's first batch never
+    # waits; with every turn taken the batch gathers in line, else it waits the pace's time.
+    assert gathering(backlog=True, applied_any=False, turns_taken=True) == GATHERED_BACKLOG
+    assert gathering(backlog=False, applied_any=False, turns_taken=True) == GATHERED_FIRST
+    assert gathering(backlog=False, applied_any=True, turns_taken=True) == GATHERED_IN_LINE
+    assert gathering(backlog=False, applied_any=True, turns_taken=False) == GATHERED_PACED

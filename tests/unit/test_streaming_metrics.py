@@ -50,6 +50,17 @@ def test_a_batch_sets_position_lag_pending_and_counts_rows_by_operation() -> Non
     assert sample("siphon_stream_batches_total", target="snowflake", table=table) is None
 
 
+def test_a_group_runs_batches_are_counted_per_target_by_how_they_gathered() -> None:
+    target = "gathered_target"
+    for how in ("paced", "waiting_for_turn", "waiting_for_turn", None):
+        metrics.record_batch(target, "public.gathered", report(target=target, table="public.gathered", gathered=how))
+    assert sample("siphon_stream_batches_gathered_total", target=target, how="waiting_for_turn") == 2
+    assert sample("siphon_stream_batches_gathered_total", target=target, how="paced") == 1
+    # A by-hand run's batch (no group run's pace or turns) is not counted there.
+    assert sample("siphon_stream_batches_total", target=target, table="public.gathered") == 4
+    assert sample("siphon_stream_batches_gathered_total", target=target, how="backlog") is None
+
+
 def test_a_table_serves_its_series_without_created_timestamps() -> None:
     # Hundreds of tables a run: every line counts, and the `_created` series were a quarter of them.
     table = "public.created_lines"
