@@ -33,6 +33,9 @@ Figures:
   worker, its Spark JVM and Python workers if started). Shared pages are counted in each process.
 - rows_differing: at the end, once the producer confirmed the end of the WAL and the runs
   drained, every table's rows (PostgreSQL's text of every column) against the `_current` view.
+- batches_gathered_share: over the steady phase, the streaming run's batches by how they gathered
+  (`siphon_stream_batches_gathered_total`): nearly all `waiting_for_turn` says the run is at its
+  capacity on this machine, and freshness follows the batches a second it manages.
 With --instance-storage postgres Dagster keeps its runs and events in a database of the same
 PostgreSQL (as a production instance does) instead of SQLite files under DAGSTER_HOME.
 With --faults the streaming runs are killed (kill -9) a third into the steady phase and the producer
