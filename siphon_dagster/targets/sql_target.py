@@ -268,11 +268,8 @@ class SqlTarget(ABC):
             try:
                 write(target)
             except TargetError:
-                # The resync table went (swapped in and dropped, or abandoned) after it was looked
-                # up: the live write that follows reaches the table that is live now.
-                if target == names.shadow and not self._shadow_exists(names):
-                    if self._shadows_seen is not None:
-                        self._shadows_seen.gone(names.bare("shadow"))
+                if target == names.shadow:
+                    self._write_shadow_again(names, write)
                     continue
                 if target == names.live and self._live_table_back(names):
                     # A swap by renames (an engine without an atomic swap) leaves the live name
@@ -282,6 +279,23 @@ class SqlTarget(ABC):
                     write(target)
                     continue
                 raise
+
+    def _write_shadow_again(self, names: TableNames, write: Callable[[str], object]) -> None:
+        """After a failed write to the resync table. Gone since it was looked up (swapped in and
+        dropped, or abandoned): skipped, the live write that follows reaches the table that is live
+        now. Still there: written once more. A swap by renames puts the previous live table at the
+        resync name between its last rename and the drop, so the name can be empty at the first
+        write and taken at the look; a write to that table is dropped with it. A lasting fault
+        fails the second write the same way."""
+        if self._shadow_exists(names):
+            try:
+                write(names.shadow)
+                return
+            except TargetError:
+                if self._shadow_exists(names):
+                    raise
+        if self._shadows_seen is not None:
+            self._shadows_seen.gone(names.bare("shadow"))
 
     def _live_table_back(self, names: TableNames) -> bool:
         """Whether the live table exists, waiting up to `LIVE_TABLE_RETURN_SECONDS` for a swap by

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.queues
 import multiprocessing.synchronize
 import random
 import sys
@@ -83,16 +84,24 @@ def drain_once(defs, specs, instance, max_batches: int | None = None) -> None:
             job = defs.resolve_job_def(spec.stream_job_name(target))
             op = f"apply_{target}_{spec.job_suffix}"
             config = {"stop_when_drained": True, "max_batches": max_batches}
-            assert job.execute_in_process(run_config={"ops": {op: {"config": config}}}, instance=instance).success
+            run = job.execute_in_process(run_config={"ops": {op: {"config": config}}}, instance=instance,
+                                         raise_on_error=False)
+            failures = [e.step_failure_data.error.message for e in run.all_events if e.is_step_failure]
+            assert run.success, f"{job.name} failed: {failures}"
 
 
-def _stream_until(config_path: str, stop: multiprocessing.synchronize.Event) -> None:
-    config = load_config(config_path)
-    defs, specs = build_definitions(config), table_specs(config)
-    with dg.DagsterInstance.ephemeral() as instance:
-        while not stop.is_set():
-            # A few batches at a time, so that a table the workload keeps busy never keeps the others waiting.
-            drain_once(defs, specs, instance, max_batches=2)
+def _stream_until(config_path: str, stop: multiprocessing.synchronize.Event,
+                  errors: multiprocessing.queues.SimpleQueue) -> None:
+    try:
+        config = load_config(config_path)
+        defs, specs = build_definitions(config), table_specs(config)
+        with dg.DagsterInstance.ephemeral() as instance:
+            while not stop.is_set():
+                # A few batches at a time, so that a table the workload keeps busy never keeps the others waiting.
+                drain_once(defs, specs, instance, max_batches=2)
+    except BaseException as error:
+        errors.put(f"{type(error).__name__}: {error}")
+        raise
 
 
 class Streaming:
@@ -102,7 +111,9 @@ class Streaming:
     def __init__(self, config_path) -> None:
         context = multiprocessing.get_context("spawn")
         self.stop = context.Event()
-        self.process = context.Process(target=_stream_until, args=(str(config_path), self.stop), daemon=True)
+        self.errors = context.SimpleQueue()  # why the process stopped, for the assertion's message
+        self.process = context.Process(target=_stream_until, args=(str(config_path), self.stop, self.errors),
+                                       daemon=True)
 
     def start(self) -> None:
         self.process.start()
@@ -112,7 +123,8 @@ class Streaming:
         self.process.join(timeout=120)
         if self.process.is_alive():
             self.process.kill()
-        assert self.process.exitcode == 0, f"the streaming process exited with {self.process.exitcode}"
+        why = self.errors.get() if not self.errors.empty() else ""
+        assert self.process.exitcode == 0, f"the streaming process exited with {self.process.exitcode}: {why}"
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:

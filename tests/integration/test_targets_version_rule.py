@@ -441,6 +441,66 @@ def test_a_stream_write_between_the_renames_of_a_swap_reaches_the_rebuilt_table(
     writer.close()
 
 
+@pytest.mark.parametrize("variant", list(SNOWFLAKE_LOADS))
+def test_a_stream_write_to_the_resync_table_between_the_last_renames_of_a_swap_goes_on(
+        request: pytest.FixtureRequest, unique_name: str, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream write that trusts its look-up of the resync table reaches it after the swap's second
+    rename (the name is empty) and looks again after the third (the previous live table holds the
+    name until it is dropped): the write goes on to the rebuilt table, and the stream does not stop."""
+    target = make_target(request, variant, unique_name)
+    writer = target.sibling()  # type: ignore[attr-defined]
+    writer.shadow_lookup_seconds = 600  # the look-up made while the resync table existed is trusted
+    target.ensure_table(NOTES)
+    target.apply_rows(NOTES, batch(NOTES, [row(1, "drifted", 1, 10)]))
+    target.create_shadow(NOTES)
+    target.apply_copy_text(NOTES, iter([b"2\tkept\t2\n"]), 20, shadow=True)
+    writer.apply_rows(NOTES, batch(NOTES, [row(3, "streamed", 3, 30)]))  # to the resync table and the live one
+
+    write_failed, third_rename_done = threading.Event(), threading.Event()
+    looks = writer._shadow_exists  # noqa: SLF001
+
+    def look_after_the_third_rename(names):  # type: ignore[no-untyped-def]
+        write_failed.set()
+        assert third_rename_done.wait(60), "the swap did not go on"
+        return looks(names)
+
+    errors: list[BaseException] = []
+
+    def stream_write() -> None:
+        try:
+            writer.apply_rows(NOTES, batch(NOTES, [row(4, "during the swap", 4, 40)]))
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    stream = threading.Thread(target=stream_write)
+    execute = target._execute  # noqa: SLF001
+    renames: list[str] = []
+
+    def paused_between_renames(names, what, statement, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = execute(names, what, statement, *args, **kwargs)
+        if what == "swapping in the resync table by renames":
+            renames.append(statement)
+            if len(renames) == 2:  # the resync name is empty: the stream write fails on it
+                monkeypatch.setattr(writer, "_shadow_exists", look_after_the_third_rename)
+                stream.start()
+                while not write_failed.wait(0.1):
+                    assert stream.is_alive(), f"the stream write ended before the swap went on: {errors}"
+            elif len(renames) == 3:  # the previous live table holds the name until it is dropped
+                third_rename_done.set()
+                stream.join(60)
+        return result
+
+    monkeypatch.setattr(target, "_execute", paused_between_renames)
+    target.swap_shadow(NOTES)
+    stream.join(60)
+    assert len(renames) == 3 and not stream.is_alive()
+    assert errors == []
+    assert target.current_rows_as_text(NOTES) == [("2", "kept", "2"), ("3", "streamed", "3"),
+                                                  ("4", "during the swap", "4")]
+    target.close()
+    writer.close()
+
+
 def test_clickhouse_view_is_right_before_and_after_merges(request: pytest.FixtureRequest, unique_name: str) -> None:
     """Unmerged parts holding several versions of a key, the newest a tombstone, read right through
     the view; a forced merge keeps the tombstone, so an older change applied later stays invisible."""
