@@ -16,7 +16,8 @@ change there too. Changes at or below the consistent point are in the range's sn
 blocks past the size read after the shadow was created were written after it existed, so the
 stream brings them. Around the swap, a write goes to the shadow first and the live table second:
 if the swap comes between the two, the first reached the table that becomes live; if it comes
-before both, the second does (a shadow gone by then is skipped). If the target fails the write,
+before both, the second does (a shadow gone by then is skipped, and one whose name the previous
+table holds for a moment, in a swap by renames, is written harmlessly). If the target fails the write,
 the stream applies it again (it acks only what a target committed).
 """
 

@@ -248,7 +248,7 @@ class SqlTarget(ABC):
     def _stream_shadow_exists(self, names: TableNames) -> bool:
         """`_shadow_exists`, trusted for `shadow_lookup_seconds`: a stream write looks it up at most
         that often per table. The time is taken before the lookup, so an answer is never older
-        than it says; a write to a shadow gone since is skipped by `_write_each`. A target that
+        than it says; a write to a shadow gone since is skipped by `_write_shadow_again`. A target that
         can list its resync tables in one statement (`_listed_shadows`) answers every sibling's
         tables with that one statement: a run of 200 tables otherwise sent 20 look-ups a second."""
         if self.shadow_lookup_seconds <= 0:
