@@ -113,8 +113,14 @@ def _log_tail(log_path: Path | None, lines: int = 15) -> str:
     return f"; last lines of {log_path}:\n  " + "\n  ".join(tail)
 
 
+# How long what is left of a group after its leader exited gets to stop before SIGKILL.
+REMNANT_GRACE_SECONDS = 10.0
+
+
 def stop_pid(pid: int, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
-    """Stops the process group we started (its leader is `pid`), escalating to SIGKILL."""
+    """Stops the process group we started (its leader is `pid`), escalating to SIGKILL. A process
+    that a member started while the group shut down (a supervisor starting a child again) missed
+    the signal and would outlive the leader: the group is stopped again until none is left."""
     if not pid_alive(pid):
         return
     for target in (lambda s: os.killpg(pid, s), lambda s: os.kill(pid, s)):
@@ -124,9 +130,42 @@ def stop_pid(pid: int, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not pid_alive(pid):
+            _stop_group_members(pid, REMNANT_GRACE_SECONDS)
             return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(") ", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _stop_group_members(pgid: int, grace: float) -> None:
+    """SIGTERM to what is left of the group whose leader exited, SIGKILL after `grace` seconds.
+    The group id stays taken while a member lives, so no other group is reached."""
+    if not group_members(pgid):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not group_members(pgid):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
