@@ -140,7 +140,14 @@ def stop_pid(pid: int, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None
 
 
 def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid`."""
+    """The live (not zombie) processes of process group `pgid`. Without /proc, whether the group
+    has any process at all: [pgid] or []."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
     members = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
