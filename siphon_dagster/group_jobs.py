@@ -39,7 +39,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
     )
     def _stream(context: dg.OpExecutionContext, config: GroupRunConfig) -> None:
         from siphon_dagster.op_events import OpEvents
-        from siphon_dagster.snapshot_sensor import made_anew
+        from siphon_dagster.snapshot_sensor import made_anew, was_at_target
         from siphon_dagster.streaming import metrics as stream_metrics
         from siphon_dagster.streaming.consumer import StreamConsumer
         from siphon_dagster.streaming.group_run import GroupRunner, TableFailure
@@ -68,6 +68,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         # on the reporting thread while the run's tables were starting. Each table's asset still
         # gets its own observation at once (the snapshot sensor's signal).
         made: list[str] = []
+        created: list[str] = []  # new at the target (never materialized): made, nothing to load again
 
         def log_made() -> None:
             if made:
@@ -75,15 +76,22 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                 made.clear()
                 context.log.info(f"no table at {group.target} for {len(names)} table(s), so the stream made them and the "
                                  f"snapshot sensor loads them again: {', '.join(names)}")
+            if created:
+                names = sorted(created)
+                created.clear()
+                context.log.info(f"{len(names)} table(s) new at {group.target}, made by the stream: {', '.join(names)}")
 
         def record(report: BatchReport) -> None:  # on the run's event loop, as the batch is acked
             stream_metrics.record_batch(group.target, report.table, report)
 
         def note_batch(report: BatchReport) -> None:
             if report.created_table:
+                asset_key = specs[report.table].target_key(group.target)
+                if not was_at_target(context.instance, asset_key):
+                    created.append(report.table)
+                    return
                 made.append(report.table)
-                events.log(made_anew(specs[report.table].target_key(group.target),
-                                     f"{report.table} at {group.target}"))
+                events.log(made_anew(asset_key, f"{report.table} at {group.target}"))
 
         def on_batch(report: BatchReport) -> None:
             note_batch(report)

@@ -39,7 +39,7 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
     )
     def _stream(context: dg.OpExecutionContext, config: StreamRunConfig) -> None:
         from siphon_dagster.op_events import OpEvents
-        from siphon_dagster.snapshot_sensor import made_anew
+        from siphon_dagster.snapshot_sensor import made_anew, was_at_target
         from siphon_dagster.streaming.consumer import StreamConsumer
         from siphon_dagster.streaming.report import BatchReport
         from siphon_dagster.streaming.source_rows import SourceRowReader
@@ -48,9 +48,12 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
 
         def record(report: BatchReport) -> None:
             if report.created_table:
-                context.log.info(f"{spec.qualified_name}: no table at {target}; the stream made it and the "
-                                 "snapshot sensor loads it again")
-                events.log(made_anew(asset_key, f"{spec.qualified_name} at {target}"))
+                if was_at_target(context.instance, asset_key):
+                    context.log.info(f"{spec.qualified_name}: no table at {target}; the stream made it and the "
+                                     "snapshot sensor loads it again")
+                    events.log(made_anew(asset_key, f"{spec.qualified_name} at {target}"))
+                else:
+                    context.log.info(f"{spec.qualified_name}: new at {target}, made by the stream")
             metadata = {
                 "applied_lsn": report.applied_lsn_text,
                 "rows_by_operation": dg.MetadataValue.json(report.rows_by_operation),

@@ -97,6 +97,14 @@ def made_anew(asset_key: dg.AssetKey, what: str) -> dg.AssetObservation:
         metadata={DROPPED_METADATA: True})
 
 
+def was_at_target(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> bool:
+    """Whether a table the stream found missing at its target had been there: anything of it
+    materialized before (a load's partition, a stream's batch). One never materialized is new
+    there, not lost: nothing to load again, so no `made_anew` signal (a first start of 500 tables
+    recorded 500 of them, and each woke the sensor for a full look at its table)."""
+    return bool(instance.fetch_materializations(asset_key, limit=1).records)
+
+
 def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int | None
                  ) -> tuple[int | None, int | None]:
     """The storage id of the latest drop recorded after the observation `seen` (None when there is

@@ -478,6 +478,41 @@ def test_the_state_shows_streaming_lag_and_check_results(config):
 
 
 @pytest.mark.parametrize("runner", ["group run", "single-table drain"])
+def test_a_table_new_at_its_target_made_by_the_stream_wakes_no_sensor(app, clickhouse_url, runner):
+    """Nothing of the table was ever materialized: the stream's first batch makes it as a new
+    table, with no signal to load it again (the sensor loads a new table on its own, or not at all
+    with loads off), and the run's log says it is new."""
+    app.sql("create table {schema}.items (id int primary key, body text)")
+    app.producer(["items"])
+    config = make_config(app.dsn, app.nats_url, clickhouse_url, app.schema)
+    if runner == "group run":
+        [group] = stream_groups(config, table_specs(config))
+        job_name, op = group.job_name, group.op_name
+    else:
+        job_name = naming.stream_job_name("clickhouse", app.schema, "items")
+        op = f"apply_clickhouse_{naming.job_suffix(app.schema, 'items')}"
+    job = build_definitions(config).resolve_job_def(job_name)
+    app.sql("insert into {schema}.items values (1, 'first')")
+    app.wait_for_events(1, "items")
+    with dg.instance_for_test() as instance:
+        result = job.execute_in_process(run_config={"ops": {op: {"config": {"stop_when_drained": True}}}},
+                                        instance=instance)
+        assert result.success
+        observations = instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION)
+        assert observations == []
+        lines = [entry.user_message for entry in instance.all_logs(result.run_id)]
+        assert [line for line in lines if "new at clickhouse" in line and f"{app.schema}.items" in line], "\n".join(lines)
+        assert not [line for line in lines if "no table at clickhouse" in line], lines
+        target = ClickHouseTarget(config.targets.clickhouse)
+        try:
+            with source.connect(config.source.dsn) as connection:
+                table = source.table_schema(connection, table_specs(config)[0].table)
+            assert target.current_rows_as_text(table) == [("1", "first")]
+        finally:
+            target.close()
+
+
+@pytest.mark.parametrize("runner", ["group run", "single-table drain"])
 def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(app, clickhouse_url, runner):
     """No drop recorded: the table vanished at the target (dropped by hand, a database replaced)
     and the stream's next batch made it again, empty, before the sensor looked for it there."""
