@@ -477,6 +477,17 @@ def test_the_state_shows_streaming_lag_and_check_results(config):
         assert harness.tick().asset_events == []
 
 
+def stream_job_of(config, runner, schema):
+    """The job that streams `items` (the group run's, or the single-table drain's) and its op."""
+    if runner == "group run":
+        [group] = stream_groups(config, table_specs(config))
+        job_name, op = group.job_name, group.op_name
+    else:
+        job_name = naming.stream_job_name("clickhouse", schema, "items")
+        op = f"apply_clickhouse_{naming.job_suffix(schema, 'items')}"
+    return build_definitions(config).resolve_job_def(job_name), op
+
+
 @pytest.mark.parametrize("runner", ["group run", "single-table drain"])
 def test_a_table_new_at_its_target_made_by_the_stream_wakes_no_sensor(app, clickhouse_url, runner):
     """Nothing of the table was ever materialized: the stream's first batch makes it as a new
@@ -485,13 +496,7 @@ def test_a_table_new_at_its_target_made_by_the_stream_wakes_no_sensor(app, click
     app.sql("create table {schema}.items (id int primary key, body text)")
     app.producer(["items"])
     config = make_config(app.dsn, app.nats_url, clickhouse_url, app.schema)
-    if runner == "group run":
-        [group] = stream_groups(config, table_specs(config))
-        job_name, op = group.job_name, group.op_name
-    else:
-        job_name = naming.stream_job_name("clickhouse", app.schema, "items")
-        op = f"apply_clickhouse_{naming.job_suffix(app.schema, 'items')}"
-    job = build_definitions(config).resolve_job_def(job_name)
+    job, op = stream_job_of(config, runner, app.schema)
     app.sql("insert into {schema}.items values (1, 'first')")
     app.wait_for_events(1, "items")
     with dg.instance_for_test() as instance:
@@ -520,13 +525,7 @@ def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(a
     app.sql("insert into {schema}.items select g, repeat('x', 200) from generate_series(1, 300) g")
     app.producer(["items"])
     config = make_config(app.dsn, app.nats_url, clickhouse_url, app.schema)
-    if runner == "group run":
-        [group] = stream_groups(config, table_specs(config))
-        job_name, op = group.job_name, group.op_name
-    else:
-        job_name = naming.stream_job_name("clickhouse", app.schema, "items")
-        op = f"apply_clickhouse_{naming.job_suffix(app.schema, 'items')}"
-    job = build_definitions(config).resolve_job_def(job_name)
+    job, op = stream_job_of(config, runner, app.schema)
 
     made_lines: list[str] = []
 

@@ -387,18 +387,56 @@ def test_clickhouse_reads_the_rows_around_a_version_in_one_scan_when_the_stream_
     target.close()
 
 
-@pytest.mark.parametrize("variant", list(SNOWFLAKE_LOADS))
-def test_a_stream_write_between_the_renames_of_a_swap_reaches_the_rebuilt_table(
-        request: pytest.FixtureRequest, unique_name: str, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fakesnow has no SWAP WITH, so a resync swaps by three renames; a stream write (another
-    connection) whose live write falls after the first rename finds no live table, waits for the
-    swap to end and writes again, into the rebuilt table."""
+def resync_ready_to_swap(request: pytest.FixtureRequest, variant: str, unique_name: str) -> tuple[Target, Target]:
+    """A Snowflake target (fakesnow: it swaps by three renames) whose live table holds a row that
+    drifted and whose resync table holds the snapshot's, and a sibling connection that writes as
+    the stream does."""
     target = make_target(request, variant, unique_name)
     writer = target.sibling()  # type: ignore[attr-defined]
     target.ensure_table(NOTES)
     target.apply_rows(NOTES, batch(NOTES, [row(1, "drifted", 1, 10)]))
     target.create_shadow(NOTES)
     target.apply_copy_text(NOTES, iter([b"2\tkept\t2\n"]), 20, shadow=True)
+    return target, writer
+
+
+def after_each_rename(monkeypatch: pytest.MonkeyPatch, target: Target, hook) -> list[str]:  # type: ignore[no-untyped-def]
+    """Calls `hook(renames done)` after each rename of a swap by renames; returns the renames as done."""
+    execute = target._execute  # type: ignore[attr-defined]  # noqa: SLF001
+    renames: list[str] = []
+
+    def then_hook(names, what, statement, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = execute(names, what, statement, *args, **kwargs)
+        if what == "swapping in the resync table by renames":
+            renames.append(statement)
+            hook(len(renames))
+        return result
+
+    monkeypatch.setattr(target, "_execute", then_hook)
+    return renames
+
+
+class StreamWrite:
+    """One stream write of `rows` on a thread of its own (not started); what it raised is kept."""
+
+    def __init__(self, writer: Target, rows: list) -> None:
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._write, args=(writer, rows))
+
+    def _write(self, writer: Target, rows: list) -> None:
+        try:
+            writer.apply_rows(NOTES, batch(NOTES, rows))
+        except BaseException as error:  # noqa: BLE001 - reported by the test's assertion
+            self.errors.append(error)
+
+
+@pytest.mark.parametrize("variant", list(SNOWFLAKE_LOADS))
+def test_a_stream_write_between_the_renames_of_a_swap_reaches_the_rebuilt_table(
+        request: pytest.FixtureRequest, unique_name: str, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fakesnow has no SWAP WITH, so a resync swaps by three renames; a stream write (another
+    connection) whose live write falls after the first rename finds no live table, waits for the
+    swap to end and writes again, into the rebuilt table."""
+    target, writer = resync_ready_to_swap(request, variant, unique_name)
 
     live_write_failed = threading.Event()
     waits_for_live = writer._live_table_back  # noqa: SLF001
@@ -408,30 +446,16 @@ def test_a_stream_write_between_the_renames_of_a_swap_reaches_the_rebuilt_table(
         return waits_for_live(names)
 
     monkeypatch.setattr(writer, "_live_table_back", noted_wait)
-    errors: list[BaseException] = []
+    stream_write = StreamWrite(writer, [row(3, "streamed", 3, 30)])
+    stream, errors = stream_write.thread, stream_write.errors
+    def paused_after_first_rename(done: int) -> None:
+        if done == 1:
+            # The live name is empty now: the stream write runs, and fails on it, before the swap goes on.
+            stream.start()
+            while not live_write_failed.wait(0.1):
+                assert stream.is_alive(), f"the stream write ended before the swap did: {errors}"
 
-    def stream_write() -> None:
-        try:
-            writer.apply_rows(NOTES, batch(NOTES, [row(3, "streamed", 3, 30)]))
-        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
-            errors.append(error)
-
-    stream = threading.Thread(target=stream_write)
-    execute = target._execute  # noqa: SLF001
-    renames: list[str] = []
-
-    def paused_after_first_rename(names, what, statement, *args, **kwargs):  # type: ignore[no-untyped-def]
-        result = execute(names, what, statement, *args, **kwargs)
-        if what == "swapping in the resync table by renames":
-            renames.append(statement)
-            if len(renames) == 1:
-                # The live name is empty now: the stream write runs, and fails on it, before the swap goes on.
-                stream.start()
-                while not live_write_failed.wait(0.1):
-                    assert stream.is_alive(), f"the stream write ended before the swap did: {errors}"
-        return result
-
-    monkeypatch.setattr(target, "_execute", paused_after_first_rename)
+    renames = after_each_rename(monkeypatch, target, paused_after_first_rename)
     target.swap_shadow(NOTES)
     stream.join(60)
     assert len(renames) == 3 and not stream.is_alive()
@@ -447,13 +471,8 @@ def test_a_stream_write_to_the_resync_table_between_the_last_renames_of_a_swap_g
     """A stream write that trusts its look-up of the resync table reaches it after the swap's second
     rename (the name is empty) and looks again after the third (the previous live table holds the
     name until it is dropped): the write goes on to the rebuilt table, and the stream does not stop."""
-    target = make_target(request, variant, unique_name)
-    writer = target.sibling()  # type: ignore[attr-defined]
+    target, writer = resync_ready_to_swap(request, variant, unique_name)
     writer.shadow_lookup_seconds = 600  # the look-up made while the resync table existed is trusted
-    target.ensure_table(NOTES)
-    target.apply_rows(NOTES, batch(NOTES, [row(1, "drifted", 1, 10)]))
-    target.create_shadow(NOTES)
-    target.apply_copy_text(NOTES, iter([b"2\tkept\t2\n"]), 20, shadow=True)
     writer.apply_rows(NOTES, batch(NOTES, [row(3, "streamed", 3, 30)]))  # to the resync table and the live one
 
     write_failed, third_rename_done = threading.Event(), threading.Event()
@@ -464,33 +483,19 @@ def test_a_stream_write_to_the_resync_table_between_the_last_renames_of_a_swap_g
         assert third_rename_done.wait(60), "the swap did not go on"
         return looks(names)
 
-    errors: list[BaseException] = []
+    stream_write = StreamWrite(writer, [row(4, "during the swap", 4, 40)])
+    stream, errors = stream_write.thread, stream_write.errors
+    def paused_between_renames(done: int) -> None:
+        if done == 2:  # the resync name is empty: the stream write fails on it
+            monkeypatch.setattr(writer, "_shadow_exists", look_after_the_third_rename)
+            stream.start()
+            while not write_failed.wait(0.1):
+                assert stream.is_alive(), f"the stream write ended before the swap went on: {errors}"
+        elif done == 3:  # the previous live table holds the name until it is dropped
+            third_rename_done.set()
+            stream.join(60)
 
-    def stream_write() -> None:
-        try:
-            writer.apply_rows(NOTES, batch(NOTES, [row(4, "during the swap", 4, 40)]))
-        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
-            errors.append(error)
-
-    stream = threading.Thread(target=stream_write)
-    execute = target._execute  # noqa: SLF001
-    renames: list[str] = []
-
-    def paused_between_renames(names, what, statement, *args, **kwargs):  # type: ignore[no-untyped-def]
-        result = execute(names, what, statement, *args, **kwargs)
-        if what == "swapping in the resync table by renames":
-            renames.append(statement)
-            if len(renames) == 2:  # the resync name is empty: the stream write fails on it
-                monkeypatch.setattr(writer, "_shadow_exists", look_after_the_third_rename)
-                stream.start()
-                while not write_failed.wait(0.1):
-                    assert stream.is_alive(), f"the stream write ended before the swap went on: {errors}"
-            elif len(renames) == 3:  # the previous live table holds the name until it is dropped
-                third_rename_done.set()
-                stream.join(60)
-        return result
-
-    monkeypatch.setattr(target, "_execute", paused_between_renames)
+    renames = after_each_rename(monkeypatch, target, paused_between_renames)
     target.swap_shadow(NOTES)
     stream.join(60)
     assert len(renames) == 3 and not stream.is_alive()
