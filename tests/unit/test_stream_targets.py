@@ -137,6 +137,26 @@ def test_siblings_share_one_client_per_thread_and_the_first_target_closes_them(m
     assert all(c.closed for c in opened)
 
 
+
+def test_a_small_change_batch_goes_into_its_landing_on_one_thread_and_a_large_one_on_two(monkeypatch) -> None:
+    inserted: list[tuple[str, int, dict[str, Any]]] = []
+
+    class InsertingClient(FakeClient):
+        def raw_insert(self, table: str, column_names: list[str], insert_block: Any, settings: dict[str, Any],
+                       fmt: str) -> None:
+            inserted.append((table, len(insert_block), settings))
+
+    monkeypatch.setattr(ClickHouseTarget, "_open", lambda self, settings=None: InsertingClient(settings))
+    target = ClickHouseTarget(ClickHouseTargetConfig(url="http://127.0.0.1:1", database="db"))
+    names = target._names(ITEMS)  # noqa: SLF001
+    small = clickhouse_module.SMALL_BATCH_ROWS
+    for rows in (1, small, small + 1):
+        staged = pa.table({"c0": pa.array(["x"] * rows), "version": pa.array(["1"] * rows)})
+        target._insert_landing(names, "db.items_landing", staged)  # noqa: SLF001
+    assert [settings["max_threads"] for _, _, settings in inserted] == [1, 1, 2]
+    assert [settings["max_insert_threads"] for _, _, settings in inserted] == [1, 1, 2]
+    assert all(settings["optimize_on_insert"] == 0 and table == "db.items_landing" for table, _, settings in inserted)
+
 class FakeSession:
     def __init__(self) -> None:
         self.closed = False
