@@ -137,7 +137,6 @@ def test_siblings_share_one_client_per_thread_and_the_first_target_closes_them(m
     assert all(c.closed for c in opened)
 
 
-
 def test_a_small_change_batch_goes_into_its_landing_on_one_thread_and_a_large_one_on_two(monkeypatch) -> None:
     inserted: list[tuple[str, int, dict[str, Any]]] = []
 
@@ -156,6 +155,7 @@ def test_a_small_change_batch_goes_into_its_landing_on_one_thread_and_a_large_on
     assert [settings["max_threads"] for _, _, settings in inserted] == [1, 1, 2]
     assert [settings["max_insert_threads"] for _, _, settings in inserted] == [1, 1, 2]
     assert all(settings["optimize_on_insert"] == 0 and table == "db.items_landing" for table, _, settings in inserted)
+
 
 class FakeSession:
     def __init__(self) -> None:
