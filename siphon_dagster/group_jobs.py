@@ -12,7 +12,7 @@ from typing import Any
 import dagster as dg
 
 from siphon_core.config import TableConfig
-from siphon_dagster.run_liveness import WORKER_TAG, in_step_process, stop_when_orphaned, worker_identity
+from siphon_dagster.run_liveness import in_step_process, stop_when_orphaned, worker_tags
 from siphon_dagster.stream_groups import StreamGroup
 from siphon_dagster.streaming.materializations import AggregatedBatches
 from siphon_dagster.table_state import STREAM_STOPPED
@@ -120,7 +120,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             # its tags must say what it applies, for the sensor keeps two runs off one table by them.
             context.log.warning(f"the run's tags named other tables than this code serves ({group.job_name}); "
                                 "corrected to the tables it applies")
-        context.instance.add_run_tags(context.run_id, {**stale, WORKER_TAG: worker_identity()})
+        context.instance.add_run_tags(context.run_id, {**stale, **worker_tags()})
         # /metrics of this run (streaming.metrics_port; 0 serves none): lag, pending, rows per table.
         stream_metrics.serve(streaming.metrics_port, streaming.metrics_host)
         targets: dict[str, Any] = {}

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import dagster as dg
 
 WORKER_TAG = "siphon/worker"
+# The process that started a run's worker (`worker_identity`): the code server that launched it.
+LAUNCHER_TAG = "siphon/launcher"
 IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
                dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 SNAPSHOT_RUN_TAG = "siphon/snapshot"  # a run that snapshots block ranges (it holds a pool slot)
@@ -40,6 +42,33 @@ def worker_identity(pid: int | None = None) -> str:
     """`host:pid:start` of a process (this one by default); `start` tells a reused pid apart."""
     pid = os.getpid() if pid is None else pid
     return f"{socket.gethostname()}:{pid}:{_start_ticks(pid)}"
+
+
+def worker_tags() -> dict[str, str]:
+    """The tags a run's worker records on its run: itself, and the code server that launched it
+    when a process did (not `dagster job execute`, which runs the job in its own process)."""
+    tags = {WORKER_TAG: worker_identity()}
+    if in_step_process():
+        tags[LAUNCHER_TAG] = worker_identity(os.getppid())
+    return tags
+
+
+def replaced_launcher(identity: str, this_pid: int | None = None, parent_pid: int | None = None) -> int | None:
+    """The process id `identity` (a run's LAUNCHER_TAG) names when that process still runs and is
+    another child of the `dagster code-server start` that serves this one (by default this process
+    and its parent): a code server that a reload replaced. It serves nothing any more, and lives on
+    only until the runs it launched have ended. None for anything else: this process, a process
+    gone, another host's, or a code location not served by `dagster code-server start`."""
+    from siphon_dagster.location_reload import serving_code_server
+
+    this_pid = os.getpid() if this_pid is None else this_pid
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    local = _local_worker(identity)
+    if local is None or not local[1] or local[0] == this_pid:
+        return None
+    if _parent_of(local[0]) != parent_pid or serving_code_server(parent_pid) is None:
+        return None
+    return local[0]
 
 
 def in_step_process() -> bool:

@@ -26,7 +26,13 @@ from siphon_dagster.consumer_sweep import (
 from siphon_dagster.location_reload import LocationReloader
 from siphon_dagster.partitions import missing_keys, range_count
 from siphon_dagster.resources import NatsResource, PostgresResource
-from siphon_dagster.run_liveness import IN_PROGRESS, SNAPSHOT_RUN_TAG, dead_run_reason
+from siphon_dagster.run_liveness import (
+    IN_PROGRESS,
+    LAUNCHER_TAG,
+    SNAPSHOT_RUN_TAG,
+    dead_run_reason,
+    replaced_launcher,
+)
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.stream_groups import (
     APPLICATION_TAG,
@@ -221,6 +227,9 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
         clock = now()
         live = _live_streaming_runs(context, application, clock)
         _terminate_stale_runs(context, live, by_key)
+        if not stale:
+            # Only with definitions that match siphon.yaml: those of the code server now serving.
+            _terminate_runs_of_replaced_code_servers(context, live)
         # A worker whose run Dagster records as ended but that still runs still applies its
         # tables: it is interrupted, and its tables' new run waits until it is gone.
         live += _stop_lingering_workers(context, application, clock, state)
@@ -429,14 +438,33 @@ def _terminate_stale_runs(context: dg.SensorEvaluationContext, live: list[dg.Dag
         group = groups.get(key)
         if group is not None and run.tags.get(TABLES_HASH_TAG) == group.tables_hash:
             continue
-        why = "its group is no longer configured" if group is None else "its group's tables changed"
-        context.log.info(f"{run.job_name}: terminating run {run.run_id}: {why}")
-        try:
-            # The coordinator cancels a queued run itself and asks the launcher to terminate a
-            # launched one (the run is CANCELING until its worker has stopped).
-            context.instance.run_coordinator.cancel_run(run.run_id)
-        except Exception as error:  # the next tick asks again
-            context.log.warning(f"{run.job_name}: could not terminate run {run.run_id}: {error}")
+        _terminate(context, run, "its group is no longer configured" if group is None else "its group's tables changed")
+
+
+def _terminate_runs_of_replaced_code_servers(context: dg.SensorEvaluationContext, live: list[dg.DagsterRun]) -> None:
+    """Asks every group run launched by a code server that a reload has since replaced to terminate.
+    While the new code server loads, the old one's sensor still starts runs (those a fault ended),
+    and their workers, loading siphon.yaml as it is now, may already serve the new table set: such a
+    run is the one this sensor wants, but the old code server, which ends only once its runs have,
+    would stay with it (a few hundred MB). Its replacement starts on this code server."""
+    for run in live:
+        if run.tags.get(GROUP_TAG) is None or run.status == dg.DagsterRunStatus.CANCELING:
+            continue
+        launcher = run.tags.get(LAUNCHER_TAG)
+        pid = replaced_launcher(launcher) if launcher else None
+        if pid is not None:
+            _terminate(context, run, f"it was launched by code server process {pid}, which a reload replaced and "
+                                     "which lives on until the run ends; its replacement starts on this code server")
+
+
+def _terminate(context: dg.SensorEvaluationContext, run: dg.DagsterRun, why: str) -> None:
+    context.log.info(f"{run.job_name}: terminating run {run.run_id}: {why}")
+    try:
+        # The coordinator cancels a queued run itself and asks the launcher to terminate a
+        # launched one (the run is CANCELING until its worker has stopped).
+        context.instance.run_coordinator.cancel_run(run.run_id)
+    except Exception as error:  # the next tick asks again
+        context.log.warning(f"{run.job_name}: could not terminate run {run.run_id}: {error}")
 
 
 def _end_dead_run(context: dg.SensorEvaluationContext, run: dg.DagsterRun, what: str, reason: str) -> None:

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 def alive(pid: int) -> bool:
     """The process exists and has not exited (a zombie waiting for its parent counts as gone)."""
@@ -10,3 +18,33 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(") ", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# A stand-in for `dagster code-server start`, as its command line reads, that starts children
+# which stand in for the code servers it serves (one current, the others replaced by reloads).
+_CODE_SERVER = """
+import subprocess, sys, time
+children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(int(sys.argv[1]))]
+print(" ".join(str(child.pid) for child in children), flush=True)
+time.sleep(120)
+"""
+
+
+@contextmanager
+def code_server_with_children(children: int = 2, command: tuple[str, ...] = ("code-server", "start", "--socket",
+                                                                               "siphon-test.sock")) -> Iterator[tuple[int, list[int]]]:
+    """(the stand-in's pid, its children's pids); every process is killed on the way out."""
+    server = subprocess.Popen([sys.executable, "-c", _CODE_SERVER, str(children), *command], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert server.stdout is not None
+        pids = [int(pid) for pid in server.stdout.readline().split()]
+        try:
+            yield server.pid, pids
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    finally:
+        server.kill()
+        server.wait()

@@ -1,6 +1,7 @@
 """The sensors, one test per cursor scenario, on a test instance against real PostgreSQL and NATS."""
 
 import asyncio
+import functools
 import json
 import subprocess
 import sys
@@ -15,9 +16,16 @@ from psycopg import sql
 
 from siphon_core import naming
 from siphon_core.config import parse_config
-from siphon_dagster import source
+from siphon_dagster import sensors, source
 from siphon_dagster.definitions import build_definitions, build_resources
-from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, dead_run_reason, worker_identity
+from siphon_dagster.run_liveness import (
+    LAUNCHER_TAG,
+    SNAPSHOT_RUN_TAG,
+    WORKER_TAG,
+    dead_run_reason,
+    replaced_launcher,
+    worker_identity,
+)
 from siphon_dagster.sensors import (
     CONSUMER_SWEEP_SECONDS,
     FAILURE_MEMORY_SECONDS,
@@ -28,6 +36,7 @@ from siphon_dagster.sensors import (
 )
 from siphon_dagster.specs import table_specs
 from siphon_dagster.stream_groups import stream_groups
+from tests.helpers.processes import code_server_with_children
 
 
 @pytest.fixture
@@ -465,6 +474,36 @@ def test_a_run_serving_an_older_table_set_is_terminated_and_replaced_only_once_i
         assert [r.job_name for r in third.run_requests] == ["stream_clickhouse"]
         assert "waiting_for" not in json.loads(third.cursor)["stream_clickhouse"]
 
+
+
+def test_a_run_launched_by_a_code_server_a_reload_replaced_is_terminated_and_started_again_here(
+        config, worker, monkeypatch):
+    """Its worker serves the current table set (it loaded siphon.yaml after the change), but the
+    code server that launched it lives on until it ends."""
+    with code_server_with_children() as (server, (replaced, current)), dg.instance_for_test() as instance:
+        # The sensor is evaluated by the code server now serving.
+        monkeypatch.setattr(sensors, "replaced_launcher",
+                            functools.partial(replaced_launcher, this_pid=current, parent_pid=server))
+        defs = build_definitions(config)
+        run = group_run(instance, config, tags={WORKER_TAG: worker.identity, LAUNCHER_TAG: worker_identity(replaced)})
+        first = tick(defs, config, instance, "_streaming")
+        assert first.run_requests == []
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.CANCELING
+        assert tick(defs, config, instance, "_streaming", cursor=first.cursor).run_requests == []
+        worker.stop()
+        instance.report_run_canceled(instance.get_run_by_id(run.run_id))
+        third = tick(defs, config, instance, "_streaming", cursor=first.cursor)
+        assert [r.job_name for r in third.run_requests] == [streaming_job_name(config)]
+
+
+def test_a_run_launched_by_the_code_server_now_serving_is_kept(config, worker, monkeypatch):
+    with code_server_with_children() as (server, (_, current)), dg.instance_for_test() as instance:
+        monkeypatch.setattr(sensors, "replaced_launcher",
+                            functools.partial(replaced_launcher, this_pid=current, parent_pid=server))
+        run = group_run(instance, config, tags={WORKER_TAG: worker.identity, LAUNCHER_TAG: worker_identity(current)})
+        result = tick(build_definitions(config), config, instance, "_streaming")
+        assert result.run_requests == []
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
 
 def test_a_table_moved_to_another_group_waits_for_the_run_that_served_it(config):
     before = with_tables(config, ["grows", "events"])
