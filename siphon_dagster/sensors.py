@@ -226,10 +226,10 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
         pending = _pending_counts(context, queue, groups)
         clock = now()
         live = _live_streaming_runs(context, application, clock)
-        _terminate_stale_runs(context, live, by_key)
+        terminated = _terminate_stale_runs(context, live, by_key)
         if not stale:
             # Only with definitions that match siphon.yaml: those of the code server now serving.
-            _terminate_runs_of_replaced_code_servers(context, live)
+            _terminate_runs_of_replaced_code_servers(context, [run for run in live if run.run_id not in terminated])
         # A worker whose run Dagster records as ended but that still runs still applies its
         # tables: it is interrupted, and its tables' new run waits until it is gone.
         live += _stop_lingering_workers(context, application, clock, state)
@@ -428,9 +428,10 @@ def _overlaps(run: dg.DagsterRun, group: StreamGroup) -> bool:
 
 
 def _terminate_stale_runs(context: dg.SensorEvaluationContext, live: list[dg.DagsterRun],
-                          groups: dict[str, StreamGroup]) -> None:
+                          groups: dict[str, StreamGroup]) -> set[str]:
     """Asks every group run whose table set is no longer its group's (tables added, removed or
-    moved, a group gone) to terminate; its replacement starts once it has ended."""
+    moved, a group gone) to terminate; its replacement starts once it has ended. Returns their ids."""
+    terminated = set()
     for run in live:
         key = run.tags.get(GROUP_TAG)
         if key is None or run.status == dg.DagsterRunStatus.CANCELING:
@@ -439,6 +440,8 @@ def _terminate_stale_runs(context: dg.SensorEvaluationContext, live: list[dg.Dag
         if group is not None and run.tags.get(TABLES_HASH_TAG) == group.tables_hash:
             continue
         _terminate(context, run, "its group is no longer configured" if group is None else "its group's tables changed")
+        terminated.add(run.run_id)
+    return terminated
 
 
 def _terminate_runs_of_replaced_code_servers(context: dg.SensorEvaluationContext, live: list[dg.DagsterRun]) -> None:
