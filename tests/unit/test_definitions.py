@@ -153,3 +153,23 @@ def test_config_drift_names_added_and_removed_tables_and_quiets_once_the_file_is
 
     path.write_text(yaml.safe_dump(raw) + "\n")  # the same content again, another size
     assert drift.message() is None
+
+
+def test_resources_and_executor_take_no_run_configuration_and_stay_out_of_every_job_snapshot() -> None:
+    from dagster._serdes import serialize_value
+
+    from siphon_dagster.resources import ClickHouseResource
+
+    defs = build_definitions(config(tables=[{"name": "public.notes"}]))
+    job = defs.resolve_job_def("stream_clickhouse_notes")
+    snapshot = serialize_value(job.get_job_snapshot())
+    # The settings would travel as each resource's default run configuration, in every job.
+    assert "127.0.0.1:8123" not in snapshot and "settings" not in snapshot
+    assert "marker_to_close" not in snapshot  # the executor's settings are fixed too
+    resources = job.run_config_schema.config_type.fields["resources"].config_type.fields
+    assert set(resources) >= {"clickhouse_target", "queue", "source", "spark"}
+    assert not any(field.is_required for field in resources.values())
+    # What the ops are given is still the resource built from siphon.yaml.
+    with dg.build_resources({"clickhouse_target": defs.resources["clickhouse_target"]}) as built:
+        assert isinstance(built.clickhouse_target, ClickHouseResource)
+        assert built.clickhouse_target.settings["url"] == "http://127.0.0.1:8123"
