@@ -181,7 +181,10 @@ def test_pipeline_through_tls_and_authentication_leaks_no_secret(secure_stack, s
             assert not answer.errors, answer.errors
             places["GraphQL answer"] = json.dumps(answer.data).encode()
             assert len(answer.data["runsOrError"]["results"]) >= 3
-            assert b"${SIPHON_CLICKHOUSE_PASSWORD}" in places["GraphQL answer"]  # the reference, not the value
+            # The resources are listed, built from siphon.yaml: no setting of theirs, reference or value.
+            details = answer.data["repositoriesOrError"]["nodes"][0]["allTopLevelResourceDetails"]
+            assert {"clickhouse_target", "queue", "source"} <= {detail["name"] for detail in details}
+            assert all(detail["configuredValues"] == [] for detail in details), details
 
         table = source.table_schema(psycopg.connect(dsn), config.tables[0])
         target = resources["clickhouse_target"].open_target()

@@ -309,20 +309,22 @@ def test_a_runs_tables_learn_of_resync_tables_from_one_listing(target: Target) -
     `shadow_lookup_seconds`: a batch of another table within it sends no look-up of its own, and
     a resync table made since is found by the first batch after it."""
     other = TableSchema("public", "other notes", NOTES.columns)
-    target.shadow_lookup_seconds = 0.5  # type: ignore[attr-defined]
+    # Long enough that a batch's own statements, slow on a loaded machine, never outlast it.
+    trust = 3.0
+    target.shadow_lookup_seconds = trust  # type: ignore[attr-defined]
     sibling = target.sibling()  # type: ignore[attr-defined]
     target.ensure_table(NOTES)
     sibling.ensure_table(other)
     # A first load of each (a Snowflake session then creates its stage), then the listing expires.
     target.apply_rows(NOTES, batch(NOTES, [row(1, "first", 1, 5)]))
     sibling.apply_rows(other, batch(other, [row(1, "other", 1, 5)]))
-    time.sleep(0.6)
+    time.sleep(trust + 0.1)
     target.apply_rows(NOTES, batch(NOTES, [row(1, "first", 1, 10)]))
     listed = target.last_load_statements  # type: ignore[attr-defined]
     sibling.apply_rows(other, batch(other, [row(1, "other", 1, 10)]))
     assert sibling.last_load_statements == listed - 1  # type: ignore[attr-defined]
     target.create_shadow(NOTES)
-    time.sleep(0.6)
+    time.sleep(trust + 0.1)
     sibling.apply_rows(other, batch(other, [row(2, "other", 2, 20)]))  # lists again: one shadow, not its own
     assert sibling.last_load_statements == listed  # type: ignore[attr-defined]
     target.apply_rows(NOTES, batch(NOTES, [row(2, "streamed", 2, 20)]))  # the listing's answer: both tables
