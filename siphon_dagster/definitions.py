@@ -100,7 +100,7 @@ def build_definitions(config: SiphonConfig, config_path: str | None = None) -> d
         resources=bound_resources(build_resources(config)),
         # Every run executes its steps in its own process: a snapshot partition or a check run is
         # one process, not a run worker plus a process per step (each a full interpreter with
-        # Dagster, pyarrow and the drivers loaded, a few hundred MB). Its settings fixed at their
+        # Dagster, pyarrow and the drivers loaded, a few hundred MB). Its settings are fixed at their
         # defaults, for the same reason as the resources' (`bound_resources`): the executor's run-config
         # schema was a tenth of each job's snapshot.
         executor=dg.in_process_executor.configured({}, name="in_process"),
