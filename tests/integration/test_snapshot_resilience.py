@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import dagster as dg
@@ -164,6 +165,11 @@ def _observed_pids(instance: dg.DagsterInstance, key: dg.AssetKey) -> list[list[
             for record in records if record.asset_observation and "snapshot_wait" in record.asset_observation.metadata]
 
 
+def _stack_of(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident or -1)
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(gone)"
+
+
 def test_a_snapshot_waiting_for_an_open_transaction_names_it_then_fails_at_its_limit(
         request: pytest.FixtureRequest, app: Application, tmp_path: Path) -> None:
     app.sql("create table {schema}.held (id integer primary key, body text)")
@@ -189,6 +195,7 @@ def test_a_snapshot_waiting_for_an_open_transaction_names_it_then_fails_at_its_l
             assert run.is_alive() and not results
             blocker.commit()  # the wait ends with the transaction
             run.join(60)
+            assert not run.is_alive(), f"the run did not end within 60 s; its thread is at:\n{_stack_of(run)}"
             assert results and results[0].success
             warnings = [e.user_message for e in instance.all_logs(results[0].run_id)
                         if e.level == logging.WARNING and "waited" in e.user_message]
