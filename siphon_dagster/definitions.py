@@ -1,4 +1,8 @@
-"""The root of the code location: one Definitions object built from the application's siphon.yaml."""
+"""The root of the code location: the definitions built from the application's siphon.yaml.
+
+`build_definitions` makes every definition, the single-table stream jobs included (tests, runs in
+one process); `load_definitions` is what Dagster loads, those jobs found by name only
+(`code_location`)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import dagster as dg
 from siphon_core.config import CONFIG_VARIABLE, SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
 from siphon_dagster.checks.definitions import build_asset_checks, build_checks_job, build_checks_schedule
+from siphon_dagster.code_location import with_unlisted_jobs
 from siphon_dagster.config_drift import ConfigDrift
 from siphon_dagster.gap_sensor import build_gap_sensor
 from siphon_dagster.group_jobs import build_group_stream_job
@@ -24,7 +29,7 @@ from siphon_dagster.resources import (
 from siphon_dagster.resync import build_resync_job
 from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
 from siphon_dagster.snapshot_sensor import build_snapshot_sensor
-from siphon_dagster.specs import group_name, table_specs
+from siphon_dagster.specs import TableSpec, group_name, table_specs
 from siphon_dagster.stream_groups import stream_groups
 
 
@@ -61,9 +66,21 @@ def _first_line(text: str | None) -> str | None:
     return text.strip().splitlines()[0] if text and text.strip() else None
 
 
-def build_definitions(config: SiphonConfig, config_path: str | None = None) -> dg.Definitions:
+# Every run executes its steps in its own process: a snapshot partition or a check run is one
+# process, not a run worker plus a process per step (each a full interpreter with Dagster, pyarrow
+# and the drivers loaded, a few hundred MB). Its settings are fixed at their defaults, for the same
+# reason as the resources' (`bound_resources`): the executor's run-config schema was a tenth of each
+# job's snapshot.
+EXECUTOR = dg.in_process_executor.configured({}, name="in_process")
+
+
+def build_definitions(config: SiphonConfig, config_path: str | None = None,
+                      resources: dict[str, dg.ResourceDefinition] | None = None,
+                      table_stream_jobs: bool = True) -> dg.Definitions:
     """`config_path`: the file `config` was loaded from, which the streaming sensor watches for
-    changes this code location cannot serve until it is reloaded."""
+    changes this code location cannot serve until it is reloaded. `resources`: as
+    `bound_resources` makes them (by default from `config`). `table_stream_jobs`: whether the
+    single-table stream jobs are among the jobs."""
     specs = table_specs(config)
     assets: list[object] = []
     for spec in specs:
@@ -71,7 +88,7 @@ def build_definitions(config: SiphonConfig, config_path: str | None = None) -> d
         assets.extend(build_target_asset(spec, target) for target in spec.targets)
     group = group_name(config.application_identifier)
     # Single-table jobs stay for draining a table by hand; the sensor runs the group jobs.
-    stream_jobs = [build_stream_job(spec, target) for spec in specs for target in spec.targets]
+    stream_jobs = [build_stream_job(spec, target) for spec in specs for target in spec.targets] if table_stream_jobs else []
     groups = stream_groups(config, specs)
     group_jobs = {stream_group.key: build_group_stream_job(stream_group) for stream_group in groups}
     # Resync jobs: `resync_<table>` rebuilds a table at its targets (siphon_dagster.resync); the gap
@@ -97,13 +114,8 @@ def build_definitions(config: SiphonConfig, config_path: str | None = None) -> d
             # New tables load, failed snapshot partitions run again, each table's state on its asset.
             build_snapshot_sensor(specs, group, config.snapshots, target_check_keys([*assets, *asset_checks])),
         ],
-        resources=bound_resources(build_resources(config)),
-        # Every run executes its steps in its own process: a snapshot partition or a check run is
-        # one process, not a run worker plus a process per step (each a full interpreter with
-        # Dagster, pyarrow and the drivers loaded, a few hundred MB). Its settings are fixed at their
-        # defaults, for the same reason as the resources' (`bound_resources`): the executor's run-config
-        # schema was a tenth of each job's snapshot.
-        executor=dg.in_process_executor.configured({}, name="in_process"),
+        resources=resources if resources is not None else bound_resources(build_resources(config)),
+        executor=EXECUTOR,
     )
     built.append(definitions)
     return definitions
@@ -143,5 +155,23 @@ def _checks_after_resync(built: list[dg.Definitions], group: str):
     return run
 
 
-def load_definitions() -> dg.Definitions:
-    return build_definitions(load_config_from_environment(), os.environ.get(CONFIG_VARIABLE))
+def build_code_location(config: SiphonConfig, config_path: str | None = None) -> dg.RepositoryDefinition:
+    """The definitions as Dagster loads them: every one of `build_definitions`, with the
+    single-table stream jobs built when asked for by name and left out of the listings and
+    snapshots (see `code_location`)."""
+    resources = bound_resources(build_resources(config))
+    listed = build_definitions(config, config_path, resources=resources, table_stream_jobs=False)
+
+    def builder(spec: TableSpec, target: str):
+        def build() -> dg.JobDefinition:
+            job = build_stream_job(spec, target)
+            return dg.Definitions(jobs=[job], resources=resources, executor=EXECUTOR).resolve_job_def(job.name)
+        return build
+
+    unlisted = {spec.stream_job_name(target): builder(spec, target) for spec in table_specs(config)
+                for target in spec.targets}
+    return with_unlisted_jobs(listed, unlisted)
+
+
+def load_definitions() -> dg.RepositoryDefinition:
+    return build_code_location(load_config_from_environment(), os.environ.get(CONFIG_VARIABLE))

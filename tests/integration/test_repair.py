@@ -142,3 +142,46 @@ def test_the_resync_job_runs_from_dagsters_own_cli_for_an_odd_name(
     runs_recorded = dg.DagsterInstance.get().get_runs(dg.RunsFilter(job_name=spec.resync_job_name))
     assert [r.status for r in runs_recorded] == [dg.DagsterRunStatus.SUCCESS]
 
+
+
+def test_a_single_table_stream_job_drains_from_dagsters_own_cli(
+        app: Application, odd_table: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dagster job execute -j stream_<target>_<table>` with `stop_when_drained`: the code location
+    lists no single-table stream job, and finds this one by its name."""
+    from siphon_dagster.jobs import stream_op_name
+
+    config = load_config(odd_table)
+    table_name = app.qualified(ODD)
+    spec = runs.find_spec(config, table_name)
+    app.producer([ODD])
+    assert cli.main(["--config", str(odd_table), "snapshot", "--table", table_name]) == 0
+    capsys.readouterr()
+    _source_sql(app, "insert into TABLE select g, 'later ' || g from generate_series(601, 650) g")
+    _source_sql(app, "update TABLE set body = body || ' changed' where id <= 10")
+    _source_sql(app, "delete from TABLE where id between 20 and 24")
+    app.wait_for_events(50 + 10 + 5, ODD)
+    drain = tmp_path / "drain.yaml"
+    drain.write_text(yaml.safe_dump({"ops": {stream_op_name(spec, "clickhouse"): {"config": {"stop_when_drained": True}}}}))
+    home = Path(os.environ["DAGSTER_HOME"])
+    (home / "dagster.yaml").write_text((REPOSITORY / "dagster.yaml").read_text())
+    env = {**os.environ, "SIPHON_CONFIG": str(odd_table)}
+    env.pop("DAGSTER_MODULE_NAME", None)
+    job_name = spec.stream_job_name("clickhouse")
+    done = subprocess.run([str(Path(sys.executable).parent / "dagster"), "job", "execute", "-m", "siphon_dagster",
+                           "-j", job_name, "-c", str(drain)], env=env, cwd=REPOSITORY, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    schema = app.table_schema(ODD)
+    target = build_target("clickhouse", config)
+    try:
+        assert target.current_rows_as_text(schema) == app.rows_as_text(schema)
+        assert target.count_current(schema) == 600 + 50 - 5
+    finally:
+        target.close()
+    runs_recorded = dg.DagsterInstance.get().get_runs(dg.RunsFilter(job_name=job_name))
+    assert [r.status for r in runs_recorded] == [dg.DagsterRunStatus.SUCCESS]
+    # A name the code location does not have is refused by name, the single-table jobs not listed.
+    wrong = subprocess.run([str(Path(sys.executable).parent / "dagster"), "job", "execute", "-m", "siphon_dagster",
+                            "-j", job_name + "_nope"], env=env, cwd=REPOSITORY, capture_output=True, text=True,
+                           timeout=600)
+    assert wrong.returncode != 0 and f"{job_name}_nope" in wrong.stderr + wrong.stdout

@@ -173,3 +173,37 @@ def test_resources_and_executor_take_no_run_configuration_and_stay_out_of_every_
     with dg.build_resources({"clickhouse_target": defs.resources["clickhouse_target"]}) as built:
         assert isinstance(built.clickhouse_target, ClickHouseResource)
         assert built.clickhouse_target.settings["url"] == "http://127.0.0.1:8123"
+
+
+def test_the_code_location_finds_each_single_table_stream_job_by_name_and_lists_none() -> None:
+    from dagster._core.remote_representation.external_data import RepositorySnap
+
+    from siphon_dagster.definitions import build_code_location
+
+    tables = [{"name": "public.notes"}, {"name": "Sales.OrderLines"}]
+    location = build_code_location(config(tables=tables))
+    full = {job.name for job in build_definitions(config(tables=tables)).resolve_all_job_defs()}
+    single = {"stream_clickhouse_notes", "stream_snowflake_notes", "stream_clickhouse_Sales__OrderLines",
+              "stream_snowflake_Sales__OrderLines"}
+    listed = {job.name for job in location.get_all_jobs()}
+    # What the UI and the daemon's snapshots hold: every job but the single-table ones.
+    assert listed == full - single and single <= full
+    assert {"stream_clickhouse", "stream_snowflake", "resync_notes", "resync_Sales__OrderLines"} <= listed
+    snapshot = RepositorySnap.from_def(location, defer_snapshots=True)
+    assert {ref.name for ref in snapshot.get_job_refs()} == listed
+    # What `dagster job execute -j stream_<target>_<table>` looks up: the name, then the job.
+    assert single <= set(location.job_names) and all(location.has_job(name) for name in single)
+    job = location.get_job("stream_snowflake_Sales__OrderLines")
+    assert job is location.get_job("stream_snowflake_Sales__OrderLines")  # built once
+    assert [node.name for node in job.nodes] == ["apply_snowflake_Sales__OrderLines"]
+    assert set(job.resource_defs) >= {"snowflake_target", "queue", "source", "spark"}
+    assert job.executor_def.name == "in_process"
+    assert not location.has_job("stream_clickhouse_nope")
+    with pytest.raises(Exception, match="stream_clickhouse_nope"):
+        location.get_job("stream_clickhouse_nope")
+    # The rest is the definitions' own: the repository's name keys the sensors' state in Dagster.
+    assert location.name == build_definitions(config(tables=tables)).get_repository_def().name
+    assert {sensor.name for sensor in location.sensor_defs} == {
+        "siphon_dev_main_1_partitions", "siphon_dev_main_1_streaming", "siphon_dev_main_1_slot_gaps",
+        "siphon_dev_main_1_snapshots"}
+    assert dg.AssetKey(["clickhouse", "Sales", "OrderLines"]) in location.assets_defs_by_key
