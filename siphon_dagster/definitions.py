@@ -7,6 +7,7 @@ one process); `load_definitions` is what Dagster loads, those jobs found by name
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import dagster as dg
 
@@ -162,7 +163,7 @@ def build_code_location(config: SiphonConfig, config_path: str | None = None) ->
     resources = bound_resources(build_resources(config))
     listed = build_definitions(config, config_path, resources=resources, table_stream_jobs=False)
 
-    def builder(spec: TableSpec, target: str):
+    def builder(spec: TableSpec, target: str) -> Callable[[], dg.JobDefinition]:
         def build() -> dg.JobDefinition:
             job = build_stream_job(spec, target)
             return dg.Definitions(jobs=[job], resources=resources, executor=EXECUTOR).resolve_job_def(job.name)

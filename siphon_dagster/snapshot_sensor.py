@@ -383,11 +383,16 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     instance = context.instance
     asset_key = spec.target_key(target)
     name = table_id(spec, target)
-    statuses = (instance.get_status_by_partition(asset_key, list(keys), spec.partitions_def) or {}) if keys else {}
+    # Nothing recorded of the asset (no materialization, planned run or observation, as on a first
+    # start): no partition has a status and no drop was recorded, so neither is read. Dagster's
+    # partition status alone was most of a table's look, and a first start looks at every table.
+    recorded = bool(instance.get_asset_records([asset_key]))
+    statuses = (instance.get_status_by_partition(asset_key, list(keys), spec.partitions_def) or {}) \
+        if keys and recorded else {}
     status = {key: _STATUS.get(value.name) if value is not None else None for key, value in statuses.items()}
     load_runs = _load_runs(instance, name, entry.get("load"))
     partitions = Partitions.of(keys, status, load_runs)
-    drop, seen = _drops_since(instance, asset_key, entry.get("seen"))
+    drop, seen = _drops_since(instance, asset_key, entry.get("seen")) if recorded else (None, entry.get("seen"))
     now = time.time()
     plan = plan_table(partitions, entry, load_runs=load_runs, table_missing=lambda: probe.table_missing(spec),
                       now=now, auto_load=settings.auto_load, max_attempts=settings.max_attempts,
@@ -425,7 +430,7 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     digest = table_state.digest()
     event = None
     if digest != entry.get("state"):
-        event = state_observation(asset_key, table_state, latest_batch(instance, asset_key))
+        event = state_observation(asset_key, table_state, latest_batch(instance, asset_key) if recorded else {})
         if table_state.exhausted and not exhausted(entry, settings.max_attempts):
             context.log.error(f"{name}: {table_state.text}")
     plan.entry["state"] = digest

@@ -46,6 +46,18 @@ def odd_table(request: pytest.FixtureRequest, app: Application, tmp_path: Path,
     return path
 
 
+def _dagster_job_execute(config_path: Path, job_name: str, *arguments: str) -> subprocess.CompletedProcess[str]:
+    """`dagster job execute -m siphon_dagster -j <job>`, Dagster's own CLI as an operator runs it, with
+    the repository's dagster.yaml in DAGSTER_HOME."""
+    home = Path(os.environ["DAGSTER_HOME"])
+    (home / "dagster.yaml").write_text((REPOSITORY / "dagster.yaml").read_text())
+    env = {**os.environ, "SIPHON_CONFIG": str(config_path)}
+    env.pop("DAGSTER_MODULE_NAME", None)
+    return subprocess.run([str(Path(sys.executable).parent / "dagster"), "job", "execute", "-m", "siphon_dagster",
+                           "-j", job_name, *arguments], env=env, cwd=REPOSITORY, capture_output=True, text=True,
+                          timeout=600)
+
+
 def _source_sql(app: Application, statement: str) -> None:
     app.sql(statement.replace("TABLE", f'{{schema}}."{ODD.replace(chr(34), chr(34) * 2)}"'))
 
@@ -124,13 +136,7 @@ def test_the_resync_job_runs_from_dagsters_own_cli_for_an_odd_name(
     app.producer([ODD])
     config = load_config(odd_table)
     spec = runs.find_spec(config, app.qualified(ODD))
-    home = Path(os.environ["DAGSTER_HOME"])
-    (home / "dagster.yaml").write_text((REPOSITORY / "dagster.yaml").read_text())
-    env = {**os.environ, "SIPHON_CONFIG": str(odd_table)}
-    env.pop("DAGSTER_MODULE_NAME", None)
-    done = subprocess.run([str(Path(sys.executable).parent / "dagster"), "job", "execute", "-m", "siphon_dagster",
-                           "-j", spec.resync_job_name], env=env, cwd=REPOSITORY, capture_output=True, text=True,
-                          timeout=600)
+    done = _dagster_job_execute(odd_table, spec.resync_job_name)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     schema = app.table_schema(ODD)
     target = build_target("clickhouse", config)
@@ -162,14 +168,8 @@ def test_a_single_table_stream_job_drains_from_dagsters_own_cli(
     app.wait_for_events(50 + 10 + 5, ODD)
     drain = tmp_path / "drain.yaml"
     drain.write_text(yaml.safe_dump({"ops": {stream_op_name(spec, "clickhouse"): {"config": {"stop_when_drained": True}}}}))
-    home = Path(os.environ["DAGSTER_HOME"])
-    (home / "dagster.yaml").write_text((REPOSITORY / "dagster.yaml").read_text())
-    env = {**os.environ, "SIPHON_CONFIG": str(odd_table)}
-    env.pop("DAGSTER_MODULE_NAME", None)
     job_name = spec.stream_job_name("clickhouse")
-    done = subprocess.run([str(Path(sys.executable).parent / "dagster"), "job", "execute", "-m", "siphon_dagster",
-                           "-j", job_name, "-c", str(drain)], env=env, cwd=REPOSITORY, capture_output=True, text=True,
-                          timeout=600)
+    done = _dagster_job_execute(odd_table, job_name, "-c", str(drain))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     schema = app.table_schema(ODD)
     target = build_target("clickhouse", config)
@@ -181,7 +181,5 @@ def test_a_single_table_stream_job_drains_from_dagsters_own_cli(
     runs_recorded = dg.DagsterInstance.get().get_runs(dg.RunsFilter(job_name=job_name))
     assert [r.status for r in runs_recorded] == [dg.DagsterRunStatus.SUCCESS]
     # A name the code location does not have is refused by name, the single-table jobs not listed.
-    wrong = subprocess.run([str(Path(sys.executable).parent / "dagster"), "job", "execute", "-m", "siphon_dagster",
-                            "-j", job_name + "_nope"], env=env, cwd=REPOSITORY, capture_output=True, text=True,
-                           timeout=600)
+    wrong = _dagster_job_execute(odd_table, job_name + "_nope")
     assert wrong.returncode != 0 and f"{job_name}_nope" in wrong.stderr + wrong.stdout
