@@ -192,6 +192,31 @@ def _wakes(record: Any) -> bool:
     return observation is None or DROPPED_METADATA in observation.metadata  # observations: drops only
 
 
+class RecordedAssets:
+    """Which target assets have anything recorded (a materialization, a planned run, an
+    observation), read for `CHUNK` tables at a time as a tick reaches them (`keys`: in the order it
+    looks at them). One query answers for them all, where asking for one asset cost Dagster's
+    SQLite storage 8 - 16 ms of CPU, about what the reads it spares cost; a chunk is read just
+    before its tables are looked at, so what it says is seconds old at most."""
+
+    CHUNK = 50
+
+    def __init__(self, instance: dg.DagsterInstance, keys: Sequence[dg.AssetKey]) -> None:
+        self._instance = instance
+        self._keys = list(keys)
+        self._position = {key: index for index, key in enumerate(self._keys)}
+        self._known: dict[dg.AssetKey, bool] = {}
+
+    def __call__(self, key: dg.AssetKey) -> bool:
+        if key not in self._known:
+            start = self._position.get(key)
+            chunk = [key] if start is None else \
+                [k for k in self._keys[start:start + self.CHUNK] if k not in self._known]
+            found = {record.asset_entry.asset_key for record in self._instance.get_asset_records(chunk)}
+            self._known.update((k, k in found) for k in chunk)
+        return self._known[key]
+
+
 def table_id(spec: TableSpec, target: str) -> str:
     return f"{target}:{spec.qualified_name}"
 
@@ -288,6 +313,8 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         # Tables left over by the last tick come first, so that every table has its turn.
         first = names.index(state[RESUME_KEY]) if state.get(RESUME_KEY) in names else 0
         cursor: dict[str, Any] = {name: state[name] for name in names if name in state}
+        order = [*range(first, len(tables)), *range(first)]
+        recorded = RecordedAssets(context.instance, [tables[i][0].target_key(tables[i][1]) for i in order])
         wake_ups = WakeUps(context.instance, state.get(WAKE_KEY))
         cursor[WAKE_KEY] = wake_ups.marks
 
@@ -303,7 +330,8 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
             try:
                 requests, event, entry = _tick_table(context, spec, target, keys, state.get(name, {}), probes[target],
                                                      settings, checks.get(spec.target_key(target), ()),
-                                                     table_check_seconds, streaming_of)
+                                                     table_check_seconds, streaming_of,
+                                                     recorded(spec.target_key(target)))
             except Exception as error:  # one table's problem holds back no other table
                 context.log.error(f"{name}: {error}")
                 return
@@ -378,15 +406,14 @@ def _missing_partitions(context: dg.SensorEvaluationContext, empty: list[TableSp
 def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: str, keys: Sequence[str],
                 entry: Mapping[str, Any], probe: TargetProbe, settings: SnapshotsConfig,
                 check_keys: Sequence[dg.AssetCheckKey], table_check_seconds: float,
-                streaming_of: Callable[[str, str], str]) -> tuple[list[dg.RunRequest], dg.AssetObservation | None,
-                                                            dict[str, Any]]:
+                streaming_of: Callable[[str, str], str], recorded: bool = True,
+                ) -> tuple[list[dg.RunRequest], dg.AssetObservation | None, dict[str, Any]]:
+    """`recorded`: whether anything of the target asset is recorded (`RecordedAssets`). With
+    nothing recorded (as on a first start), no partition has a status and no drop was recorded, so
+    neither is read: Dagster's partition status alone was most of a table's look."""
     instance = context.instance
     asset_key = spec.target_key(target)
     name = table_id(spec, target)
-    # Nothing recorded of the asset (no materialization, planned run or observation, as on a first
-    # start): no partition has a status and no drop was recorded, so neither is read. Dagster's
-    # partition status alone was most of a table's look, and a first start looks at every table.
-    recorded = bool(instance.get_asset_records([asset_key]))
     statuses = (instance.get_status_by_partition(asset_key, list(keys), spec.partitions_def) or {}) \
         if keys and recorded else {}
     status = {key: _STATUS.get(value.name) if value is not None else None for key, value in statuses.items()}
