@@ -7,7 +7,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import dagster as dg
 
@@ -83,11 +83,13 @@ def partition_requests(instance: dg.DagsterInstance, connection, specs: list[Tab
                        on_error: Callable[[source_db.SourceError], None] | None = None,
                        read: dict[str, tuple[TableSchema, source_db.TableSize]] | None = None,
                        covered: Callable[[TableSpec, int], bool] | None = None,
+                       existing: Callable[[TableSpec], Sequence[str]] | None = None,
                        ) -> tuple[list[dg.AddDynamicPartitionsRequest], dict[str, int]]:
     """The ranges missing from the instance for each table, and each table's block count; `read`
     is `read_tables` of the specs when the caller has it (else it is read here, see there).
     `covered(spec, blocks)` says a table's partitions are known to cover that many blocks, and
-    spares the read of them from the instance."""
+    spares the read of them from the instance; `existing(spec)` gives a table's partitions when
+    the caller has read them already (else they are read from the instance)."""
     if read is None:
         read = read_tables(connection, specs, on_error)
     requests = []
@@ -99,8 +101,9 @@ def partition_requests(instance: dg.DagsterInstance, connection, specs: list[Tab
         blocks[spec.qualified_name] = size.blocks
         if covered is not None and covered(spec, size.blocks):
             continue
-        existing = instance.get_dynamic_partitions(spec.partitions_def_name)
-        keys = missing_keys(existing, size.blocks, spec.table.blocks_per_partition)
+        keys = missing_keys(existing(spec) if existing is not None else
+                            instance.get_dynamic_partitions(spec.partitions_def_name),
+                            size.blocks, spec.table.blocks_per_partition)
         if keys:
             requests.append(dg.AddDynamicPartitionsRequest(partitions_def_name=spec.partitions_def_name,
                                                            partition_keys=keys))

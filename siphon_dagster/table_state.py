@@ -113,11 +113,6 @@ def latest_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> dict[s
     return {}
 
 
-def check_results(instance: dg.DagsterInstance, check_keys: Sequence[dg.AssetCheckKey]) -> dict[str, str]:
-    """Each check of one asset by name: its latest execution, as `latest_check_results` says it."""
-    return {key.name: result for key, result in latest_check_results(instance, check_keys).items()}
-
-
 def latest_check_results(instance: dg.DagsterInstance, check_keys: Sequence[dg.AssetCheckKey]
                          ) -> dict[dg.AssetCheckKey, str]:
     """Each check's latest execution: passed, failed (with its severity), or running; one query."""

@@ -1,9 +1,9 @@
-"""`RecordedAssets`: which target assets have anything recorded, read a chunk of tables at a time
-from a real (SQLite) Dagster instance."""
+"""`RecordedAssets` and `LatestChecks`: what is recorded of the target assets and their checks'
+latest results, read a chunk of tables at a time from a real (SQLite) Dagster instance."""
 
 import dagster as dg
 
-from siphon_dagster.snapshot_sensor import RecordedAssets
+from siphon_dagster.snapshot_sensor import LatestChecks, RecordedAssets
 
 
 def test_each_asset_is_answered_from_its_chunk_read_as_the_tick_reaches_it() -> None:
@@ -22,3 +22,33 @@ def test_each_asset_is_answered_from_its_chunk_read_as_the_tick_reaches_it() -> 
         # A key the tick did not list is read on its own.
         assert recorded(dg.AssetKey(["snowflake", "public", "t1"])) is False
         assert [recorded(key) for key in keys].count(True) == 3
+
+
+def test_each_assets_checks_are_answered_by_name_from_its_chunk() -> None:
+    keys = [dg.AssetKey(["clickhouse", "public", f"t{i}"]) for i in range(LatestChecks.CHUNK + 3)]
+    check_keys = {key: [dg.AssetCheckKey(key, "schema_parity"), dg.AssetCheckKey(key, "row_count")] for key in keys}
+    check_keys[keys[4]] = []  # a table without checks
+    last = keys[LatestChecks.CHUNK + 1]
+
+    def evaluate(key: dg.AssetKey, name: str, passed: bool) -> None:
+        instance.report_runless_asset_event(dg.AssetCheckEvaluation(
+            asset_key=key, check_name=name, passed=passed, severity=dg.AssetCheckSeverity.WARN))
+
+    with dg.instance_for_test() as instance:
+        evaluate(keys[0], "row_count", True)
+        evaluate(keys[0], "row_count", False)  # the latest counts
+        evaluate(keys[1], "schema_parity", True)
+        evaluate(last, "schema_parity", False)
+        latest = LatestChecks(instance, keys, check_keys)
+        assert latest(keys[0]) == {"schema_parity": "never run", "row_count": "failed (warn)"}
+        assert latest(keys[1]) == {"schema_parity": "passed", "row_count": "never run"}
+        assert latest(keys[4]) == {}
+        # Evaluated after the first chunk was read: that chunk keeps its answer, the next sees it.
+        evaluate(keys[2], "row_count", True)
+        evaluate(last, "row_count", True)
+        assert latest(keys[2])["row_count"] == "never run"
+        assert latest(last) == {"schema_parity": "failed (warn)", "row_count": "passed"}
+        # An asset the tick did not list is read on its own, with the checks it is given.
+        other = dg.AssetKey(["snowflake", "public", "t0"])
+        assert LatestChecks(instance, [], {other: [dg.AssetCheckKey(other, "row_count")]})(other) == \
+            {"row_count": "never run"}
