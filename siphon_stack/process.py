@@ -59,6 +59,33 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+# A child meets these at their defaults whatever its starter had. An ignored disposition and a
+# blocked mask outlive exec: under a shell that runs its jobs in the background SIGINT is ignored,
+# Dagster then maps SIGTERM to that same "ignore" in the process it runs in, and every service
+# started from there shrugged off stop_pid's SIGTERM until the SIGKILL at its timeout.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _signal_defaults(then: Callable[[], None] | None) -> Callable[[], None] | None:
+    """A function for the child, run before `then`, that puts `STOP_SIGNALS` this process ignores
+    back to their defaults and unblocks what it blocks; `then` when nothing needs it (a function
+    run in the child keeps subprocess from its faster way to start a process)."""
+    ignored = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if not ignored and not blocked:
+        return then
+
+    def defaults() -> None:
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_DFL)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if then is not None:
+            then()
+
+    return defaults
+
+
 def start_process(
     name: str,
     argv: Sequence[str],
@@ -81,7 +108,7 @@ def start_process(
             # Own process group: a Ctrl-C in the caller's terminal does not hit it,
             # and stopping it stops its children too.
             start_new_session=True,
-            preexec_fn=preexec,
+            preexec_fn=_signal_defaults(preexec),
         )
     except FileNotFoundError as error:
         raise StackError(f"{name}: cannot start {argv[0]}: {error}") from None
