@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 
 import dagster as dg
 
 from siphon_core.config import CONFIG_VARIABLE, SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_source_asset, build_target_asset
 from siphon_dagster.checks.definitions import build_asset_checks, build_checks_job, build_checks_schedule
-from siphon_dagster.code_location import with_unlisted_jobs
+from siphon_dagster.code_location import with_jobs_by_name
 from siphon_dagster.config_drift import ConfigDrift
 from siphon_dagster.gap_sensor import build_gap_sensor
 from siphon_dagster.group_jobs import build_group_stream_job
@@ -30,7 +31,7 @@ from siphon_dagster.resources import (
 from siphon_dagster.resync import build_resync_job
 from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
 from siphon_dagster.snapshot_sensor import build_snapshot_sensor
-from siphon_dagster.specs import TableSpec, group_name, table_specs
+from siphon_dagster.specs import group_name, table_specs
 from siphon_dagster.stream_groups import stream_groups
 
 
@@ -157,21 +158,23 @@ def _checks_after_resync(built: list[dg.Definitions], group: str):
 
 
 def build_code_location(config: SiphonConfig, config_path: str | None = None) -> dg.RepositoryDefinition:
-    """The definitions as Dagster loads them: every one of `build_definitions`, with the
-    single-table stream jobs built when asked for by name and left out of the listings and
-    snapshots (see `code_location`)."""
+    """The definitions as Dagster loads them: every one of `build_definitions`, listed when first
+    needed, with the stream jobs built alone when asked for by name (a run's worker) and the
+    single-table ones left out of the listings and snapshots (see `code_location`)."""
     resources = bound_resources(build_resources(config))
-    listed = build_definitions(config, config_path, resources=resources, table_stream_jobs=False)
 
-    def builder(spec: TableSpec, target: str) -> Callable[[], dg.JobDefinition]:
-        def build() -> dg.JobDefinition:
-            job = build_stream_job(spec, target)
+    def alone(build: Callable[[], dg.JobDefinition]) -> Callable[[], dg.JobDefinition]:
+        def resolved() -> dg.JobDefinition:
+            job = build()
             return dg.Definitions(jobs=[job], resources=resources, executor=EXECUTOR).resolve_job_def(job.name)
-        return build
+        return resolved
 
-    unlisted = {spec.stream_job_name(target): builder(spec, target) for spec in table_specs(config)
-                for target in spec.targets}
-    return with_unlisted_jobs(listed, unlisted)
+    specs = table_specs(config)
+    single = {spec.stream_job_name(target): alone(partial(build_stream_job, spec, target)) for spec in specs
+              for target in spec.targets}
+    groups = {group.job_name: alone(partial(build_group_stream_job, group)) for group in stream_groups(config, specs)}
+    return with_jobs_by_name(lambda: build_definitions(config, config_path, resources=resources, table_stream_jobs=False),
+                             {**groups, **single}, unlisted=list(single))
 
 
 def load_definitions() -> dg.RepositoryDefinition:

@@ -207,3 +207,46 @@ def test_the_code_location_finds_each_single_table_stream_job_by_name_and_lists_
         "siphon_dev_main_1_partitions", "siphon_dev_main_1_streaming", "siphon_dev_main_1_slot_gaps",
         "siphon_dev_main_1_snapshots"}
     assert dg.AssetKey(["clickhouse", "Sales", "OrderLines"]) in location.assets_defs_by_key
+
+
+def test_a_runs_worker_gets_its_stream_job_without_the_listing_and_the_same_job_as_listed(monkeypatch) -> None:
+    import siphon_dagster.definitions as definitions
+
+    listings = []
+
+    def counted(*args, **kwargs):
+        listings.append(args)
+        return build_definitions(*args, **kwargs)
+
+    monkeypatch.setattr(definitions, "build_definitions", counted)
+    tables = [{"name": "public.notes"}, {"name": "Sales.OrderLines"}]
+    location = definitions.build_code_location(config(tables=tables))
+    # What a run's worker asks for: its group's job, or one table's by name.
+    group_job = location.get_maybe_subset_job_def("stream_clickhouse")
+    table_job = location.get_job("stream_snowflake_notes")
+    assert location.has_job("stream_snowflake") and location.name == "__repository__"
+    assert listings == []  # no table's assets, checks or resync job were built for them
+    assert [node.name for node in group_job.nodes] == ["apply_clickhouse"]
+    assert set(group_job.resource_defs) >= {"clickhouse_target", "queue", "source", "spark"}
+    assert table_job.executor_def.name == "in_process"
+    # The listing, built on the first need of it, holds the same job, and hands out its own after.
+    listed = {job.name: job for job in location.get_all_jobs()}
+    assert len(listings) == 1
+    assert listed["stream_clickhouse"].get_job_snapshot_id() == group_job.get_job_snapshot_id()
+    assert location.get_job("stream_clickhouse") is listed["stream_clickhouse"]
+    assert "stream_snowflake_notes" not in listed and location.get_job("stream_snowflake_notes") is table_job
+    assert location.sensor_defs and location.assets_defs_by_key
+    assert len(listings) == 1
+
+
+def test_a_stream_job_named_as_listed_that_the_listing_lacks_is_refused() -> None:
+    from siphon_dagster.code_location import with_jobs_by_name
+
+    listing = build_definitions(config(tables=[{"name": "public.notes"}]))
+    location = with_jobs_by_name(lambda: listing, {"stream_nowhere": lambda: listing.resolve_job_def("stream_clickhouse")})
+    with pytest.raises(ValueError, match="stream_nowhere"):
+        location.get_all_jobs()
+    clash = with_jobs_by_name(lambda: listing, {"stream_clickhouse": lambda: listing.resolve_job_def("stream_clickhouse")},
+                              unlisted=["stream_clickhouse"])
+    with pytest.raises(ValueError, match="both listed and built by name: \\['stream_clickhouse'\\]"):
+        clash.get_all_jobs()
