@@ -198,10 +198,11 @@ class SqlDialect(ABC):
 
     # -- statements ---------------------------------------------------------------------------------
 
-    def create_table(self, target: str, table: TableSchema) -> str:
+    def create_table(self, target: str, table: TableSchema, if_not_exists: bool = True) -> str:
         columns = [self.column_definition(c) for c in table.columns]
         columns += [f"{self.quote(name)} {kind}{self.meta_constraint}" for name, kind in self.meta_types.items()]
-        return f"CREATE TABLE IF NOT EXISTS {target} ({', '.join(columns)}){self.table_options(table)}"
+        return (f"CREATE TABLE {'IF NOT EXISTS ' if if_not_exists else ''}{target} ({', '.join(columns)})"
+                f"{self.table_options(table)}")
 
     def create_truncations(self, names: TableNames) -> str:
         column = f"{self.quote(VERSION_COLUMN)} {self.meta_types[VERSION_COLUMN]}{self.meta_constraint}"

@@ -186,10 +186,9 @@ class SqlTarget(ABC):
         check_columns(table)
         names = self._names(table)
         change = SchemaChange()
-        stored = self._stored_columns_if_exists(names, names.table_name)
+        stored = self._created_or_stored(names, table)
         altered = False
-        if not stored:
-            self._execute(names, "creating the table", self.dialect.create_table(names.live, table))
+        if stored is None:
             change.created = True
         else:
             stored_key = sorted(c.name for c in stored if c.in_key)
@@ -225,6 +224,14 @@ class SqlTarget(ABC):
     def table_exists(self, table: TableSchema) -> bool:
         names = self._names(table)
         return self._table_exists(names, names.table_name)
+
+    def _created_or_stored(self, names: TableNames, table: TableSchema) -> list[StoredColumn] | None:
+        """The live table's stored columns, or None when it was missing and was made just now."""
+        stored = self._stored_columns_if_exists(names, names.table_name)
+        if stored:
+            return stored
+        self._execute(names, "creating the table", self.dialect.create_table(names.live, table))
+        return None
 
     def _stored_columns_if_exists(self, names: TableNames, name: str) -> list[StoredColumn]:
         """`_stored_columns`; a target whose catalog query costs more than an existence test and

@@ -588,3 +588,40 @@ def test_snowflake_view_reads_a_key_stored_twice_as_its_newest_copy(request: pyt
     stored = target._fetch(names, "reading copies", f"SELECT body FROM {names.live} WHERE id = 1")  # noqa: SLF001
     assert [r[0] for r in stored] == ["newest", "newest"]
     target.close()
+
+
+def test_a_runs_clickhouse_tables_are_made_without_a_lookup_and_one_made_since_the_start_is_followed(
+        request: pytest.FixtureRequest, unique_name: str) -> None:
+    """A run's tables (siblings) new to the database are made straight away: one statement fewer
+    each than asking first. A table another process made after the run read the database's tables
+    is refused by that CREATE and then followed as any existing one (its new column added)."""
+    run = make_target(request, "clickhouse", unique_name)
+    snapshot = make_target(request, "clickhouse", unique_name)
+    first, second, third = run.sibling(), run.sibling(), run.sibling()  # type: ignore[attr-defined]
+    other = TableSchema("public", "others", NOTES.columns)
+    late = TableSchema("public", "late", NOTES.columns)
+    grown = TableSchema("public", "late", (*NOTES.columns, SourceColumn("tags", 1009, "text[]")))
+    alone = make_target(request, "clickhouse", unique_name)  # a target of its own asks first, as before
+    before = alone._statements  # type: ignore[attr-defined]  # noqa: SLF001
+    assert alone.ensure_table(TableSchema("public", "own", NOTES.columns)).created
+    asked_first = alone._statements - before  # type: ignore[attr-defined]  # noqa: SLF001
+
+    before = first._statements  # noqa: SLF001
+    assert first.ensure_table(NOTES).created  # reads the listing: the one statement it shares with the others
+    before = second._statements  # noqa: SLF001
+    assert second.ensure_table(other).created
+    assert second._statements - before == asked_first - 1  # noqa: SLF001
+    snapshot.ensure_table(late)  # made by another process after the run's listing
+    change = third.ensure_table(grown)
+    assert (change.created, change.added_columns, change.incompatible) == (False, ["tags"], [])
+    again = first.ensure_table(NOTES)  # made by the run: read as an existing table, not made again
+    assert (again.created, again.added_columns) == (False, [])
+    third.apply_rows(grown, batch(grown, [("1", "a", "1", "{x}", 10, False)]))
+    second.apply_rows(other, batch(other, [row(2, "b", 2, 10)]))
+    assert third.current_rows_as_text(grown) == [("1", "a", "1", "{x}")]
+    assert second.current_rows_as_text(other) == [("2", "b", "2")]
+    with pytest.raises(TargetError, match="creating the table"):  # any other refusal still fails the batch
+        first.ensure_table(TableSchema("public", "bad", (SourceColumn("id", 20, "bigint", primary_key=True),
+                                                         SourceColumn("id", 25, "text"))))
+    for target in (run, snapshot, alone):
+        target.close()
