@@ -19,6 +19,7 @@ each restart; the listing is now built only when something else than such a job 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -47,10 +48,15 @@ class JobsByName(RepositoryData):
         self._by_name = dict(by_name)
         self._unlisted = frozenset(unlisted)
         self._built: dict[str, dg.JobDefinition] = {}
+        self._building = threading.Lock()
 
     @property
     def _listed(self) -> dg.RepositoryDefinition:
-        if self._listing is None:
+        if self._listing is not None:
+            return self._listing
+        with self._building:  # a code server answers from several threads: one builds it
+            if self._listing is not None:
+                return self._listing
             listing = self._build_listing()
             clashes = sorted(self._unlisted & set(listing.job_names))
             if clashes:
