@@ -168,13 +168,17 @@ class ClickHouseTarget(SqlTarget):
         return bool(int(self._execute(names, "looking for a table", f"EXISTS TABLE {names.qualified(name)}")))
 
     def _created_or_stored(self, names: TableNames, table: TableSchema) -> list[StoredColumn] | None:
-        """A table the database did not have when the run began is made at once, without asking
-        whether it exists first: of the six statements that make a table that question was the
-        slowest while a run of hundreds of new tables made them sixteen at a time. One made
-        since (by a snapshot) refuses, and is then read as any existing table."""
+        """A run's tables skip the question whether they exist (`TablesAtStart`). One the
+        database had when the run began has its columns read at once (a run started again after
+        a kill asked it of every table). One it did not have is made at once: of the six
+        statements that make a table that question was the slowest while a run of hundreds of new
+        tables made them sixteen at a time. One made since (by a snapshot) refuses, and is then
+        read as any existing table; one dropped since is looked for and made as before."""
         listing = self._tables_at_start
-        if listing is None or listing.had(names.table_name, lambda: self._table_names(names)):
+        if listing is None:
             return super()._created_or_stored(names, table)
+        if listing.had(names.table_name, lambda: self._table_names(names)):
+            return self._stored_columns(names, names.table_name) or super()._created_or_stored(names, table)
         try:
             self._execute(names, "creating the table", self.dialect.create_table(names.live, table, if_not_exists=False))
             listing.made(names.table_name)

@@ -594,7 +594,9 @@ def test_a_runs_clickhouse_tables_are_made_without_a_lookup_and_one_made_since_t
         request: pytest.FixtureRequest, unique_name: str) -> None:
     """A run's tables (siblings) new to the database are made straight away: one statement fewer
     each than asking first. A table another process made after the run read the database's tables
-    is refused by that CREATE and then followed as any existing one (its new column added)."""
+    is refused by that CREATE and then followed as any existing one (its new column added). A run
+    started again reads its existing tables' columns without asking first either, and makes one
+    dropped since its listing again."""
     run = make_target(request, "clickhouse", unique_name)
     snapshot = make_target(request, "clickhouse", unique_name)
     first, second, third = run.sibling(), run.sibling(), run.sibling()  # type: ignore[attr-defined]
@@ -623,5 +625,22 @@ def test_a_runs_clickhouse_tables_are_made_without_a_lookup_and_one_made_since_t
     with pytest.raises(TargetError, match="creating the table"):  # any other refusal still fails the batch
         first.ensure_table(TableSchema("public", "bad", (SourceColumn("id", 20, "bigint", primary_key=True),
                                                          SourceColumn("id", 25, "text"))))
-    for target in (run, snapshot, alone):
+    # A run started again (after a kill): its tables are there, and are read without the question.
+    first_kept, second_kept = (TableSchema("public", name, NOTES.columns) for name in ("kept_1", "kept_2"))
+    for kept in (first_kept, second_kept):
+        snapshot.ensure_table(kept)
+    again_run = make_target(request, "clickhouse", unique_name)
+    restarted, fresh = again_run.sibling(), make_target(request, "clickhouse", unique_name)  # type: ignore[attr-defined]
+    restarted.ensure_table(NOTES)  # reads the listing
+    noted = (*NOTES.columns, SourceColumn("note", 25, "text"))
+    before = fresh._statements  # type: ignore[attr-defined]  # noqa: SLF001
+    assert fresh.ensure_table(TableSchema("public", "kept_1", noted)).added_columns == ["note"]
+    asked_first = fresh._statements - before  # type: ignore[attr-defined]  # noqa: SLF001
+    before = restarted._statements  # noqa: SLF001
+    followed = restarted.ensure_table(TableSchema("public", "kept_2", noted))
+    assert (followed.created, followed.added_columns) == (False, ["note"])
+    assert restarted._statements - before == asked_first - 1  # noqa: SLF001
+    snapshot.drop_table(late)  # dropped after the listing: looked for, and made again
+    assert restarted.ensure_table(late).created
+    for target in (run, snapshot, alone, again_run, fresh):
         target.close()
