@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG
 
 from siphon_dagster.snapshot_plan import Partitions
 from siphon_dagster.stream_groups import APPLICATION_TAG, streamed_tables
@@ -26,7 +27,8 @@ IN_PROGRESS_RUNS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
 # A streaming batch's materialization: the snapshot's carry no LSN. A few snapshot partitions may
 # come between two batches; further back, the table has not streamed lately.
 _BATCH_LOOKBACK = 25
-_LISTED = 5  # partitions named in the state line; the metadata lists them all
+_LISTED = 5
+_IN_PROGRESS_LOOKUP = 5000  # runs in progress on an instance; streaming and checks runs among them  # partitions named in the state line; the metadata lists them all
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class TableState:
 
 
 NOT_STREAMING = "not running"
+# A check result's metadata key saying why it did not compare (its value, e.g. "loading"): not a failure.
+NOT_COMPARED = "not_compared"
 # How a group run's observation on a table's asset begins when the table's stream stopped on an error.
 STREAM_STOPPED = "streaming stopped"
 
@@ -95,6 +99,17 @@ def streaming_states(instance: dg.DagsterInstance, application_tag: str) -> dict
             if states.get((target, table)) != "running":
                 states[(target, table)] = state
     return states
+
+
+def snapshot_runs_in_progress(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> list[dg.DagsterRun]:
+    """The runs, queued or running, that write block ranges of the asset into its live table: a
+    partition or a range of them, from the snapshot sensor, a backfill, the UI or the CLI. (A resync
+    loads a shadow table and leaves the live one whole until its swap.)"""
+    records = instance.get_run_records(dg.RunsFilter(statuses=IN_PROGRESS_RUNS), limit=_IN_PROGRESS_LOOKUP)
+    return [record.dagster_run for record in records
+            if asset_key in (record.dagster_run.asset_selection or ())
+            and (PARTITION_NAME_TAG in record.dagster_run.tags
+                 or ASSET_PARTITION_RANGE_START_TAG in record.dagster_run.tags)]
 
 
 def latest_batch(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> dict[str, Any]:
@@ -131,6 +146,8 @@ def latest_check_results(instance: dg.DagsterInstance, check_keys: Sequence[dg.A
             evaluation = record.event.dagster_event.asset_check_evaluation_data
         if evaluation is None:
             results[key] = record.status.value.lower()
+        elif NOT_COMPARED in evaluation.metadata:
+            results[key] = f"not compared ({evaluation.metadata[NOT_COMPARED].value})"
         elif evaluation.passed:
             results[key] = "passed"
         else:

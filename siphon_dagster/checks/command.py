@@ -14,6 +14,7 @@ import dagster as dg
 from siphon_core.config import SiphonConfig
 from siphon_dagster.checks.definitions import check_keys, checks_job_name
 from siphon_dagster.specs import TableSpec, group_name, table_specs
+from siphon_dagster.table_state import NOT_COMPARED
 
 
 def selected_keys(config: SiphonConfig, table: str | None, target: str | None) -> list[dg.AssetCheckKey]:
@@ -49,6 +50,8 @@ def run_checks(definitions: dg.Definitions, group: str, keys: list[dg.AssetCheck
 def status_line(evaluation: dg.AssetCheckEvaluation) -> str:
     if evaluation.passed:
         status = "PASS"
+    elif NOT_COMPARED in evaluation.metadata:
+        status = "SKIP"
     else:
         status = "FAIL" if evaluation.severity == dg.AssetCheckSeverity.ERROR else "WARN"
     summary = (evaluation.description or "").replace("\n", " ")
