@@ -7,6 +7,7 @@ connection; each table keeps its own consumer, asset, materializations and error
 
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
@@ -39,9 +40,10 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
     )
     def _stream(context: dg.OpExecutionContext, config: GroupRunConfig) -> None:
         from siphon_dagster.op_events import OpEvents
-        from siphon_dagster.snapshot_sensor import made_anew, was_at_target
+        from siphon_dagster.snapshot_sensor import made_anew, materialized_assets
         from siphon_dagster.streaming import metrics as stream_metrics
         from siphon_dagster.streaming.consumer import StreamConsumer
+        from siphon_dagster.streaming.created_tables import CreatedTables
         from siphon_dagster.streaming.group_run import GroupRunner, TableFailure
         from siphon_dagster.streaming.materializations import MaterializationLimiter
         from siphon_dagster.streaming.pace import BatchPace
@@ -65,8 +67,8 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
 
         # Tables whose batch found no table at the target and made it, named in one log line a tick:
         # a first start of hundreds of new tables made as many lines, each a write to the event log
-        # on the reporting thread while the run's tables were starting. Each table's asset still
-        # gets its own observation at once (the snapshot sensor's signal).
+        # on the reporting thread while the run's tables were starting. Each table made again still
+        # gets its own observation on its asset (the snapshot sensor's signal) at the next tick.
         made: list[str] = []
         created: list[str] = []  # new at the target (never materialized): made, nothing to load again
 
@@ -84,20 +86,33 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
         def record(report: BatchReport) -> None:  # on the run's event loop, as the batch is acked
             stream_metrics.record_batch(group.target, report.table, report)
 
-        def note_batch(report: BatchReport) -> None:
-            if report.created_table:
-                asset_key = specs[report.table].target_key(group.target)
-                if not was_at_target(context.instance, asset_key):
-                    created.append(report.table)
-                    return
-                made.append(report.table)
-                events.log(made_anew(asset_key, f"{report.table} at {group.target}"))
+        def materialized(tables: Sequence[str]) -> set[str]:
+            keys = {specs[table].target_key(group.target): table for table in tables}
+            return {keys[key] for key in materialized_assets(context.instance, list(keys))}
 
-        def on_batch(report: BatchReport) -> None:
-            note_batch(report)
+        # A table the stream made waits, with its batches' reports, for the next tick's one read.
+        created_tables = CreatedTables(materialized)
+
+        def answer_created(absorb: bool = False) -> None:
+            answered = created_tables.answer()
+            created.extend(answered.new)
+            for table in answered.made_again:
+                made.append(table)
+                events.log(made_anew(specs[table].target_key(group.target), f"{table} at {group.target}"))
+            for report in answered.reports:
+                if absorb:
+                    limiter.absorb(report)
+                else:
+                    add(report)
+
+        def add(report: BatchReport) -> None:
             aggregate = limiter.add(report, time.monotonic())
             if aggregate is not None:
                 materialize(aggregate)
+
+        def on_batch(report: BatchReport) -> None:
+            if not created_tables.hold(report):
+                add(report)
 
         def on_failure(failure: TableFailure) -> None:
             spec = specs[failure.table]
@@ -146,6 +161,7 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             return consumer
 
         def tick() -> None:
+            answer_created()
             log_made()
             for aggregate in limiter.due(time.monotonic()):
                 materialize(aggregate)
@@ -174,8 +190,9 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             # made is the snapshot sensor's signal to load it, and each table's latest
             # materialization says what it applied last, in one event a table.
             for report in runner.unreported_batches():
-                note_batch(report)
-                limiter.absorb(report)
+                if not created_tables.hold(report):
+                    limiter.absorb(report)
+            answer_created(absorb=True)
             log_made()
             for aggregate in limiter.flush(time.monotonic()):
                 materialize(aggregate)

@@ -108,6 +108,12 @@ def was_at_target(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> bool:
     return bool(instance.fetch_materializations(asset_key, limit=1).records)
 
 
+def materialized_assets(instance: dg.DagsterInstance, asset_keys: Sequence[dg.AssetKey]) -> set[dg.AssetKey]:
+    """`was_at_target` for many assets in one read (their asset records)."""
+    return {record.asset_entry.asset_key for record in instance.get_asset_records(list(asset_keys))
+            if record.asset_entry.last_materialization_record is not None}
+
+
 def _drops_since(instance: dg.DagsterInstance, asset_key: dg.AssetKey, seen: int | None
                  ) -> tuple[int | None, int | None]:
     """The storage id of the latest drop recorded after the observation `seen` (None when there is

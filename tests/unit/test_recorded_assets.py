@@ -3,7 +3,7 @@ latest results, read a chunk of tables at a time from a real (SQLite) Dagster in
 
 import dagster as dg
 
-from siphon_dagster.snapshot_sensor import LatestChecks, RecordedAssets
+from siphon_dagster.snapshot_sensor import LatestChecks, RecordedAssets, materialized_assets, was_at_target
 
 
 def test_each_asset_is_answered_from_its_chunk_read_as_the_tick_reaches_it() -> None:
@@ -52,3 +52,15 @@ def test_each_assets_checks_are_answered_by_name_from_its_chunk() -> None:
         other = dg.AssetKey(["snowflake", "public", "t0"])
         assert LatestChecks(instance, [], {other: [dg.AssetCheckKey(other, "row_count")]})(other) == \
             {"row_count": "never run"}
+
+
+def test_materialized_assets_answers_as_was_at_target_does_for_each() -> None:
+    keys = [dg.AssetKey(["clickhouse", "public", f"t{i}"]) for i in range(6)]
+    with dg.instance_for_test() as instance:
+        instance.report_runless_asset_event(dg.AssetObservation(asset_key=keys[0]))  # observed, never materialized
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=keys[1]))
+        instance.report_runless_asset_event(dg.AssetObservation(asset_key=keys[2]))
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=keys[2], partition="p"))
+        found = materialized_assets(instance, keys)
+        assert found == {keys[1], keys[2]}
+        assert found == {key for key in keys if was_at_target(instance, key)}
