@@ -35,8 +35,10 @@ from siphon_dagster.snapshot_plan import (
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.stream_groups import APPLICATION_TAG
 from siphon_dagster.table_state import (
+    FAILED_PARTITIONS_METADATA,
     IN_PROGRESS_RUNS,
     NOT_STREAMING,
+    STREAMING_STARTING,
     TableState,
     latest_batch,
     latest_check_results,
@@ -67,6 +69,11 @@ SETTLED_LOOK_SECONDS = 120.0
 # show, a table gone from its target with nothing recorded. What else changes a settled table's
 # plan wakes it for the next tick, whatever the number of tables (`WakeUps`).
 SETTLED_LOOKS_PER_SECOND = 1.0
+# A tick records at most this many table states; the rest keep their last recorded state and are
+# looked at again next tick. A first start of 500 tables changed every table's state twice within a
+# minute, a thousand events the daemon stored one by one while the streaming runs were starting.
+# A state that names failed partitions is recorded whatever the count.
+STATE_EVENTS_PER_TICK = 200
 SETTLED_KEY = "settled_at"  # in a table's cursor entry: when it was last found settled
 RESUME_KEY = "_resume"  # in the cursor: the table the next tick begins with (no table id starts with _)
 WAKE_KEY = "_wake_after"  # in the cursor: by event type, the newest event storage id WakeUps read
@@ -293,7 +300,8 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
                           check_keys: Mapping[dg.AssetKey, Sequence[dg.AssetCheckKey]] | None = None,
                           table_check_seconds: float = TABLE_CHECK_SECONDS,
                           tick_budget_seconds: float = TICK_BUDGET_SECONDS,
-                          settled_look_seconds: float | None = None) -> dg.SensorDefinition:
+                          settled_look_seconds: float | None = None,
+                          state_events_per_tick: int = STATE_EVENTS_PER_TICK) -> dg.SensorDefinition:
     """`{group}_snapshots`. `check_keys` names each target asset's checks, whose latest results the
     table's state shows. A tick looks at tables for `tick_budget_seconds` at most, and the next
     one goes on from the first table it left. A settled table is looked at every
@@ -376,13 +384,20 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
                 return
             run_requests.extend(requests)
             if event is not None:
-                events.append(event)
+                if len(events) < state_events_per_tick or FAILED_PARTITIONS_METADATA in event.metadata:
+                    events.append(event)
+                else:  # recorded at a later tick: the entry keeps the state recorded last
+                    entry = {key: value for key, value in entry.items() if key not in ("state", SETTLED_KEY)}
+                    if "state" in state.get(name, {}):
+                        entry["state"] = state[name]["state"]
+                    deferred.append(name)
             cursor[name] = entry
 
         # Tables without partitions yet (the partitions sensor has not run since they were
         # configured) are ticked last, with the partitions this tick's result adds before its run
         # requests are submitted: their sizes are read at the source in one query.
         without_partitions: list[tuple[TableSpec, str, str]] = []
+        deferred: list[str] = []  # tables whose new state waits for a later tick
         added_requests: list[dg.AddDynamicPartitionsRequest] = []
         try:
             for index in range(first, first + len(tables)):
@@ -416,6 +431,9 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         finally:
             for probe in probes.values():
                 probe.close()
+        if deferred:
+            context.log.info(f"{len(deferred)} table state(s) are recorded at the next ticks (at most "
+                             f"{state_events_per_tick} a tick): {', '.join(deferred[:5])}{', ...' * (len(deferred) > 5)}")
         for target in sorted({request.tags[AUTOLOAD_TAG].split(":", 1)[0] for request in run_requests}):
             try:
                 ensure_pool_limit(context.instance, snapshot_pool(target))
@@ -498,13 +516,17 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     )
     digest = table_state.digest()
     event = None
-    if digest != entry.get("state"):
+    # A run that is starting is running a tick later: a table that already has a state waits for
+    # that, rather than recording a state that lasts seconds (every table of a run at once).
+    transient = table_state.streaming == STREAMING_STARTING and "state" in entry and not table_state.failed_attempts
+    if digest != entry.get("state") and not transient:
         event = state_observation(asset_key, table_state, latest_batch(instance, asset_key) if recorded else {})
-        if table_state.exhausted and not exhausted(entry, settings.max_attempts):
-            context.log.error(f"{name}: {table_state.text}")
-    plan.entry["state"] = digest
+    if table_state.exhausted and not exhausted(entry, settings.max_attempts):
+        context.log.error(f"{name}: {table_state.text}")
+    recorded_state = event is not None or digest == entry.get("state")
+    plan.entry["state"] = digest if recorded_state else entry["state"]
     plan.entry.pop(SETTLED_KEY, None)
-    if (not requests and "load" not in plan.entry and "failed" not in plan.entry and not partitions.in_progress
+    if (recorded_state and not requests and "load" not in plan.entry and "failed" not in plan.entry and not partitions.in_progress
             and keys and not plan.drop_deferred and (not settings.auto_load or partitions.materialized == frozenset(keys))):
         plan.entry[SETTLED_KEY] = now
     return requests, event, plan.entry

@@ -75,6 +75,8 @@ class TableState:
 
 
 NOT_STREAMING = "not running"
+STREAMING_STARTING = "starting"  # the run serving the table has not started yet
+FAILED_PARTITIONS_METADATA = "siphon/partitions_failed"
 # A check result's metadata key saying why it did not compare (its value, e.g. "loading"): not a failure.
 NOT_COMPARED = "not_compared"
 # How a group run's observation on a table's asset begins when the table's stream stopped on an error.
@@ -94,7 +96,7 @@ def streaming_states(instance: dg.DagsterInstance, application_tag: str) -> dict
         if streamed is None:
             continue
         target, tables = streamed
-        state = "running" if run.status == dg.DagsterRunStatus.STARTED else "starting"
+        state = "running" if run.status == dg.DagsterRunStatus.STARTED else STREAMING_STARTING
         for table in tables:
             if states.get((target, table)) != "running":
                 states[(target, table)] = state
@@ -165,7 +167,7 @@ def state_observation(asset_key: dg.AssetKey, state: TableState, batch: Mapping[
         "siphon/streaming": state.streaming,
     }
     if state.failed_attempts:
-        metadata["siphon/partitions_failed"] = dg.MetadataValue.json(dict(sorted(state.failed_attempts.items())))
+        metadata[FAILED_PARTITIONS_METADATA] = dg.MetadataValue.json(dict(sorted(state.failed_attempts.items())))
     if state.checks:
         metadata["siphon/checks"] = dg.MetadataValue.json(dict(sorted(state.checks.items())))
     metadata.update(batch)

@@ -477,6 +477,44 @@ def test_the_state_shows_streaming_lag_and_check_results(config):
         assert harness.tick().asset_events == []
 
 
+def test_a_run_starting_records_no_state_until_it_runs(config):
+    with dg.instance_for_test() as instance:
+        harness = Harness(config, instance)
+        assert harness.tick().asset_events[0].metadata["siphon/streaming"].value == "not running"
+        group = next(g for g in stream_groups(config, table_specs(config)) if g.target == "clickhouse")
+        run = create_run_for_test(instance, job_name=group.job_name, status=dg.DagsterRunStatus.NOT_STARTED,
+                                  tags=group.tags)
+        # Starting: a state of seconds, not recorded, and the table not set aside as settled.
+        assert harness.tick().asset_events == []
+        assert "settled_at" not in harness.entry()
+        instance.handle_run_event(run.run_id, dg.DagsterEvent(
+            event_type_value=dg.DagsterEventType.RUN_START.value, job_name=group.job_name))
+        [event] = harness.tick().asset_events
+        assert event.metadata["siphon/streaming"].value == "running"
+
+
+def test_a_tick_records_at_most_its_number_of_states_and_the_rest_at_the_next(config, postgres_dsn):
+    both, specs, defs = with_a_second_table(config, postgres_dsn)
+    sensor = build_snapshot_sensor(specs, "test", both.snapshots, state_events_per_tick=1)
+    names = [f"clickhouse:{spec.qualified_name}" for spec in specs]
+    with dg.instance_for_test() as instance:
+        def tick(cursor):
+            result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
+                                                    definitions=defs))
+            for request in result.dynamic_partitions_requests:
+                instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+            return result
+
+        first = tick(None)
+        assert [e.asset_key for e in first.asset_events] == [specs[0].target_key("clickhouse")]
+        entries = json.loads(first.cursor)
+        assert "state" in entries[names[0]] and "state" not in entries[names[1]]
+        assert "settled_at" not in entries[names[1]]  # looked at again next tick
+        second = tick(first.cursor)
+        assert [e.asset_key for e in second.asset_events] == [specs[1].target_key("clickhouse")]
+        assert tick(second.cursor).asset_events == []
+
+
 def stream_job_of(config, runner, schema):
     """The job that streams `items` (the group run's, or the single-table drain's) and its op."""
     if runner == "group run":
