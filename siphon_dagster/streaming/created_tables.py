@@ -51,11 +51,11 @@ class CreatedTables:
         answered = Answered()
         if not self._held:
             return answered
-        held, self._held = self._held, {}
-        tables = list(held)
+        tables = list(self._held)
         before: set[str] = set()
-        for start in range(0, len(tables), CHUNK):
+        for start in range(0, len(tables), CHUNK):  # a read that fails leaves every report held
             before |= self._materialized(tables[start:start + CHUNK])
+        held, self._held = self._held, {}
         arrived: list[tuple[int, BatchReport]] = []
         for table in tables:
             made = sum(1 for _, report in held[table] if report.created_table)

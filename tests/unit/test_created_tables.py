@@ -3,6 +3,8 @@ their batches is handed on (to be materialized) before the answer."""
 
 from collections.abc import Sequence
 
+import pytest
+
 from siphon_dagster.streaming.created_tables import CHUNK, CreatedTables
 from siphon_dagster.streaming.report import BatchReport
 
@@ -52,3 +54,21 @@ def test_hundreds_of_made_tables_are_asked_for_a_chunk_at_a_time() -> None:
     answered = created.answer()
     assert asked == [CHUNK, CHUNK, 7]
     assert len(answered.new) == CHUNK * 2 + 7 and answered.made_again == []
+
+
+def test_a_read_that_fails_leaves_every_report_held_for_the_next_tick() -> None:
+    failing = [True]
+
+    def materialized(tables: Sequence[str]) -> set[str]:
+        if failing[0]:
+            raise OSError("storage unreachable")
+        return set(tables)
+
+    created = CreatedTables(materialized)
+    created.hold(report("t", 1, created=True))
+    with pytest.raises(OSError):
+        created.answer()
+    failing[0] = False
+    assert created.hold(report("t", 2))  # still waiting for its answer
+    answered = created.answer()
+    assert answered.made_again == ["t"] and [r.first_sequence for r in answered.reports] == [1, 2]
