@@ -67,15 +67,20 @@ def read_tables(connection, specs: list[TableSpec],
     """Each table's columns and size, by qualified name. A table the source cannot serve (missing,
     or without a primary key: refused as the producer refuses it) is left out; with `on_error` it
     is reported there and holds back no other table, without it the error is raised."""
+    tables = [spec.table for spec in specs]
+    schemas = source_db.table_schemas(connection, tables)  # refuses a table without a primary key
+    sizes = source_db.table_sizes(connection, tables)
     read: dict[str, tuple[TableSchema, source_db.TableSize]] = {}
     for spec in specs:
-        try:
-            table = source_db.table_schema(connection, spec.table)  # refuses a table without a primary key
-            read[spec.qualified_name] = (table, source_db.table_size(connection, spec.table))
-        except source_db.SourceError as error:
+        table, size = schemas[spec.table.name], sizes[spec.table.name]
+        error = table if isinstance(table, source_db.SourceError) else size
+        if isinstance(error, source_db.SourceError):
             if on_error is None:
-                raise
+                raise error
             on_error(error)
+            continue
+        assert isinstance(table, TableSchema) and isinstance(size, source_db.TableSize)
+        read[spec.qualified_name] = (table, size)
     return read
 
 

@@ -16,17 +16,22 @@ from siphon_dagster.targets.base import SourceColumn, TableSchema
 # Value text must not depend on database-level settings: the same pins as the producer's stream.
 SESSION_OPTIONS = connection_options()
 
+# Every named table's columns in one query: a sensor reads hundreds of tables each minute, and a
+# query per table cost the source about 3 ms of CPU each (600 ms a minute at 200 tables).
 _COLUMNS_QUERY = """
-select a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), a.atttypmod, not a.attnotnull,
+with wanted(schema_name, table_name) as (select * from unnest(%s::text[], %s::text[]))
+select w.schema_name, w.table_name,
+       a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), a.atttypmod, not a.attnotnull,
        coalesce(a.attnum = any(pk.indkey), false), t.typcategory::text,
        coalesce(nullif(t.typelem, 0), 0)::int, a.attgenerated <> ''
-from pg_attribute a
-join pg_class c on c.oid = a.attrelid
-join pg_namespace n on n.oid = c.relnamespace
+from wanted w
+join pg_namespace n on n.nspname = w.schema_name
+join pg_class c on c.relnamespace = n.oid and c.relname = w.table_name
+join pg_attribute a on a.attrelid = c.oid
 join pg_type t on t.oid = a.atttypid
 left join pg_index pk on pk.indrelid = c.oid and pk.indisprimary
-where n.nspname = %s and c.relname = %s and a.attnum > 0 and not a.attisdropped
-order by a.attnum
+where a.attnum > 0 and not a.attisdropped
+order by w.schema_name, w.table_name, a.attnum
 """
 
 
@@ -77,7 +82,30 @@ def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
 
 
 def table_schema(connection: psycopg.Connection[Any], table: TableConfig) -> TableSchema:
-    rows = connection.execute(_COLUMNS_QUERY, (table.schema_name, table.table_name)).fetchall()
+    found = table_schemas(connection, [table])[table.name]
+    if isinstance(found, SourceError):
+        raise found
+    return found
+
+
+def table_schemas(connection: psycopg.Connection[Any],
+                  tables: Sequence[TableConfig]) -> dict[str, TableSchema | SourceError]:
+    """Each table's columns (by its configured name) in one query, or the error that says why the
+    table cannot be replicated; one table's error holds back no other."""
+    rows = connection.execute(_COLUMNS_QUERY, ([t.schema_name for t in tables], [t.table_name for t in tables]))
+    by_table: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
+    for row in rows.fetchall():
+        by_table.setdefault((row[0], row[1]), []).append(row[2:])
+    result: dict[str, TableSchema | SourceError] = {}
+    for table in tables:
+        try:
+            result[table.name] = _schema_of(table, by_table.get((table.schema_name, table.table_name), []))
+        except SourceError as error:
+            result[table.name] = error
+    return result
+
+
+def _schema_of(table: TableConfig, rows: Sequence[tuple[Any, ...]]) -> TableSchema:
     if not rows:
         raise SourceError(f"table {table.name}: not found in the source database (tables[].name in siphon.yaml)")
     unknown = set(table.exclude_columns) - {row[0] for row in rows}
@@ -201,28 +229,49 @@ class TableSize:
 # block numbers. A block range read from the partitioned table reads those blocks of every leaf
 # (the ctid condition applies to each), so its blocks are those of its largest leaf.
 _SIZE_QUERY = """
-with named as (
-    select c.oid, c.relkind from pg_class c join pg_namespace n on n.oid = c.relnamespace
-    where n.nspname = %s and c.relname = %s
+with wanted(schema_name, table_name) as (select * from unnest(%s::text[], %s::text[])),
+named as (
+    select w.schema_name, w.table_name, c.oid, c.relkind from wanted w
+    join pg_namespace n on n.nspname = w.schema_name
+    join pg_class c on c.relnamespace = n.oid and c.relname = w.table_name
 ), stored as (
-    select oid as relid from named where relkind <> 'p'
+    select schema_name, table_name, oid as relid from named where relkind <> 'p'
     union all
-    select tree.relid from named, pg_partition_tree(named.oid) tree where named.relkind = 'p' and tree.isleaf
+    select named.schema_name, named.table_name, tree.relid
+    from named, pg_partition_tree(named.oid) tree where named.relkind = 'p' and tree.isleaf
 )
-select coalesce(max(pg_relation_size(s.relid)), 0), coalesce(sum(pg_relation_size(s.relid)), 0)::bigint,
-       current_setting('block_size')::int, coalesce(sum(greatest(l.reltuples, 0)), 0)::bigint,
-       (select count(*) from named)
-from stored s join pg_class l on l.oid = s.relid
+select named.schema_name, named.table_name,
+       coalesce(max(pg_relation_size(s.relid)), 0), coalesce(sum(pg_relation_size(s.relid)), 0)::bigint,
+       current_setting('block_size')::int, coalesce(sum(greatest(l.reltuples, 0)), 0)::bigint
+from named
+left join stored s on s.schema_name = named.schema_name and s.table_name = named.table_name
+left join pg_class l on l.oid = s.relid
+group by named.schema_name, named.table_name
 """
 
 
 def table_size(connection: psycopg.Connection[Any], table: TableConfig) -> TableSize:
-    largest, size, block_size, estimate, found = connection.execute(
-        _SIZE_QUERY, (table.schema_name, table.table_name)).fetchone()
-    if not found:
-        raise SourceError(f"table {table.name}: not found in the source database")
-    return TableSize(blocks=(largest + block_size - 1) // block_size, block_size=block_size, bytes=size,
-                     row_estimate=int(estimate))
+    found = table_sizes(connection, [table])[table.name]
+    if isinstance(found, SourceError):
+        raise found
+    return found
+
+
+def table_sizes(connection: psycopg.Connection[Any],
+                tables: Sequence[TableConfig]) -> dict[str, TableSize | SourceError]:
+    """Each table's size (by its configured name) in one query, or the error of a table not found."""
+    rows = connection.execute(_SIZE_QUERY, ([t.schema_name for t in tables], [t.table_name for t in tables]))
+    sizes = {(schema, name): rest for schema, name, *rest in rows.fetchall()}
+    result: dict[str, TableSize | SourceError] = {}
+    for table in tables:
+        size = sizes.get((table.schema_name, table.table_name))
+        if size is None:
+            result[table.name] = SourceError(f"table {table.name}: not found in the source database")
+            continue
+        largest, total, block_size, estimate = size
+        result[table.name] = TableSize(blocks=(largest + block_size - 1) // block_size, block_size=block_size,
+                                       bytes=total, row_estimate=int(estimate))
+    return result
 
 
 def current_lsn(connection: psycopg.Connection[Any]) -> int:

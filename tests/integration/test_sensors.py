@@ -701,3 +701,81 @@ def test_a_table_added_again_is_rebuilt_even_when_the_sensors_cursor_was_reset_m
         again = _sweep_tick(both, instance, start + 75, starting.cursor)
         assert [r.job_name for r in again.run_requests] == [naming.resync_job_name(schema, "back")]
         assert _sweep_tick(both, instance, start + 90, again.cursor).run_requests == []
+
+
+def test_tables_are_read_in_one_query_each_and_a_bad_table_holds_back_no_other(postgres_dsn, unique_name):
+    """Sensors read every table's columns and size at once: a missing table, one without a primary
+    key and one whose exclude_columns names no column are reported by name, the others are read,
+    a partitioned table is sized by its largest leaf, and odd names are matched exactly."""
+    from siphon_core.config import TableConfig
+    from siphon_dagster.sensors import read_tables
+
+    def ident(*names):
+        return sql.Identifier(unique_name, *names) if names else sql.Identifier(unique_name)
+
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create schema {}").format(ident()))
+        connection.execute(sql.SQL('create table {} ("Id" bigint primary key, "a b" text, n numeric(9, 2))')
+                           .format(ident("Odd Table")))
+        connection.execute(sql.SQL("insert into {} select g, repeat('x', 300), g from generate_series(1, 500) g")
+                           .format(ident("Odd Table")))
+        connection.execute(sql.SQL("create table {} (id int primary key, note text)").format(ident("odd table")))
+        connection.execute(sql.SQL("create table {} (id int, v text)").format(ident("keyless")))
+        connection.execute(sql.SQL("create table {} (id int primary key)").format(ident("excluded")))
+        connection.execute(sql.SQL("create table {} (id int, k int, primary key (id, k)) partition by range (k)")
+                           .format(ident("parted")))
+        connection.execute(sql.SQL("create table {} partition of {} for values from (0) to (10)")
+                           .format(ident("parted_small"), ident("parted")))
+        connection.execute(sql.SQL("create table {} partition of {} for values from (10) to (100)")
+                           .format(ident("parted_large"), ident("parted")))
+        connection.execute(sql.SQL("insert into {} select g, 10 + g % 90 from generate_series(1, 3000) g")
+                           .format(ident("parted")))
+        connection.execute(sql.SQL("analyze {}").format(ident("parted")))
+        large_blocks = connection.execute("select pg_relation_size(%s::regclass) / 8192",
+                                          (f'{unique_name}.parted_large',)).fetchone()[0]
+
+        tables = {
+            "odd": TableConfig(name=f"{unique_name}.Odd Table"),
+            "lower": TableConfig(name=f"{unique_name}.odd table", exclude_columns=["note"]),
+            "missing": TableConfig(name=f"{unique_name}.nowhere"),
+            "keyless": TableConfig(name=f"{unique_name}.keyless"),
+            "excluded": TableConfig(name=f"{unique_name}.excluded", exclude_columns=["no such"]),
+            "parted": TableConfig(name=f"{unique_name}.parted"),
+        }
+        schemas = source.table_schemas(connection, list(tables.values()))
+        sizes = source.table_sizes(connection, list(tables.values()))
+
+    odd = schemas[tables["odd"].name]
+    assert [c.name for c in odd.columns] == ["Id", "a b", "n"] and odd.columns[0].primary_key
+    assert sizes[tables["odd"].name].blocks >= 1 and sizes[tables["odd"].name].bytes > 0
+    assert [c.name for c in schemas[tables["lower"].name].columns] == ["id"]  # "note" excluded
+    assert "not found in the source database" in str(schemas[tables["missing"].name])
+    assert "not found in the source database" in str(sizes[tables["missing"].name])
+    assert "has no primary key" in str(schemas[tables["keyless"].name])
+    assert "exclude_columns names columns that do not exist: ['no such']" in str(schemas[tables["excluded"].name])
+    parted = sizes[tables["parted"].name]
+    assert parted.blocks == large_blocks and parted.row_estimate == 3000
+    assert [c.name for c in schemas[tables["parted"].name].columns] == ["id", "k"]
+
+    # The sensors' read: the good tables read, each bad one reported once, by name.
+    specs = _specs_of(tables.values())
+    errors: list[str] = []
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        read = read_tables(connection, specs, on_error=lambda error: errors.append(str(error)))
+    assert sorted(read) == sorted(s.qualified_name for s in specs
+                                  if s.table.name in (tables["odd"].name, tables["lower"].name, tables["parted"].name))
+    assert len(errors) == 3 and all(unique_name in e for e in errors)
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection, \
+            pytest.raises(source.SourceError, match="not found in the source database"):
+        read_tables(connection, specs)
+
+
+def _specs_of(tables):
+    config = parse_config({
+        "application_identifier": "reads",
+        "source": {"dsn": "postgresql://127.0.0.1:1/x"},
+        "queue": {"url": "nats://127.0.0.1:1"},
+        "tables": [{"name": t.name, "exclude_columns": list(t.exclude_columns)} for t in tables],
+        "targets": {"clickhouse": {"url": "http://127.0.0.1:1"}},
+    })
+    return table_specs(config)
