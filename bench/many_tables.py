@@ -4,6 +4,7 @@
                                 [--batch-wait-seconds 1.0] [--max-batches-per-second 50] [--groups 1]
                                 [--idle-packages-per-second N] [--idle-min-age-seconds S] [--apply-threads N]
                                 [--instance-storage sqlite|postgres] [--faults] [--change-tables] [--snowflake]
+                                [--samples-out FILE]
 
 PostgreSQL, NATS JetStream and the embedded ClickHouse start on loopback; N empty tables are
 created, a third each of three shapes: narrow (4 columns), notes-shaped (20 columns, ~500-byte
@@ -48,6 +49,8 @@ GraphQL API is polled until it knows the new table's asset), `siphon-dagster sna
 table, and every table the file lists at the end is compared.
 With --snowflake every table also goes to Snowflake (a fakesnow server on loopback; a second
 streaming run), the drain waits up to 15 minutes more, and rows are compared at both targets.
+With --samples-out every freshness sample is written to a JSON file (commit time, table, seconds) with
+each table's share of the changes: whether late changes are those of hot or cold tables, or of moments.
 With --groups N the tables are dealt over N streaming runs (`streaming.groups`); the batch figures
 (batches/s, phases) are then those of the one run that serves /metrics.
 Ends with one JSON line.
@@ -627,10 +630,11 @@ def run_metrics(port: int, attempts: int = 3) -> dict[str, Any]:
             "phases": phases, "gathered": gathered, "target": target}
 
 
-def freshness(writer: Writer, poller: Poller, after: float, at_return: bool = False) -> list[float]:
+def freshness(writer: Writer, poller: Poller, after: float, at_return: bool = False,
+              detail: list[tuple[float, str, float]] | None = None) -> list[float]:
     """Commit -> first poll that saw the id, for every (tick, table) insert committed after `after`;
     a poll's time is when its query began, or with `at_return` when it returned (as rounds before
-    the twenty-third counted it)."""
+    the twenty-third counted it). `detail` receives (commit time, table, seconds) of each."""
     samples = []
     polls = poller.polls
     start = 0
@@ -643,6 +647,8 @@ def freshness(writer: Writer, poller: Poller, after: float, at_return: bool = Fa
             for asked, returned, seen in polls[start:]:
                 if seen.get(table, 0) >= top:
                     samples.append((returned if at_return else asked) - committed)
+                    if detail is not None:
+                        detail.append((committed, table, samples[-1]))
                     break
     return samples
 
@@ -741,6 +747,9 @@ def main() -> int:
     parser.add_argument("--tables", type=int, default=200)
     parser.add_argument("--rate", type=float, default=2000.0, help="changes per second over all tables")
     parser.add_argument("--seconds", type=float, default=120.0, help="steady phase once every table streams")
+    parser.add_argument("--samples-out", type=Path, default=None,
+                        help="write every freshness sample (commit time, table, seconds) and each table's share "
+                             "of the changes to this JSON file")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="mixed",
                         help="mixed: narrow, notes-shaped and wide tables; varied: those and, under names with "
                              "capitals, spaces and letters outside ASCII, tables of many types, with a composite "
@@ -904,7 +913,11 @@ def main() -> int:
             steady_batch_seconds = batches_after["batch_seconds"] - batches_before["batch_seconds"]
             writer.stop.set()
             writer.thread.join(30)
-            fresh = freshness(writer, poller, steady_from)
+            detail: list[tuple[float, str, float]] = []
+            fresh = freshness(writer, poller, steady_from, detail=detail)
+            if args.samples_out is not None:
+                args.samples_out.write_text(json.dumps({
+                    "weights": dict(zip(writer.names, writer.weights, strict=True)), "samples": detail}))
             fresh_at_return = freshness(writer, poller, steady_from, at_return=True)
             with psycopg.connect(stack.dsn) as connection:
                 end = naming.parse_lsn(connection.execute("select pg_current_wal_lsn()::text").fetchone()[0])
