@@ -4,6 +4,7 @@
 import asyncio
 import hashlib
 import json
+import math
 import os
 import signal
 import time
@@ -52,6 +53,12 @@ from siphon_dagster.targets.base import TableSchema
 # writing events nobody reads between two looks at the UI.
 SOURCE_OBSERVATION_SECONDS = 600.0
 OBSERVED_KEY = "_observed"  # in the cursor: table -> [when last observed, digest of its column list]
+# At most this many source observations a tick, besides those of tables whose columns changed: a
+# first start of 500 tables recorded 500 at once, each an event the daemon stores, in the minute
+# the streaming run sets its tables up. The others wait for the next ticks, the longest unobserved
+# first (so their later observations stay spread over the interval).
+SOURCE_OBSERVATIONS_PER_TICK = 100
+VERIFIED_KEY = "_verified"  # in the cursor: table -> when its partitions were last read from the instance
 # The streaming sensor looks for consumers of tables no longer replicated this often (a listing of
 # the stream's consumers: a few requests for hundreds of tables).
 CONSUMER_SWEEP_SECONDS = 300.0
@@ -115,47 +122,47 @@ def partition_requests(instance: dg.DagsterInstance, connection, specs: list[Tab
     return requests, blocks
 
 
-def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefinition:
+def build_partitions_sensor(specs: list[TableSpec], group: str,
+                            observations_per_tick: int = SOURCE_OBSERVATIONS_PER_TICK) -> dg.SensorDefinition:
     @dg.sensor(
         name=f"{group}_partitions",
         minimum_interval_seconds=60,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Adds the block-range partitions of tables that grew and observes each source table "
                     "(size, row estimate, columns, LSN) every 10 minutes and when its columns change. The cursor "
-                    "holds each table's block count at the last tick and when it was last observed.",
+                    "holds each table's block count at the last tick, when it was last observed and when its "
+                    "partitions were last read.",
     )
     def _partitions(context: dg.SensorEvaluationContext, source: PostgresResource) -> dg.SensorResult:
         state = json.loads(context.cursor) if context.cursor else {}
         observed: dict[str, list] = dict(state.get(OBSERVED_KEY, {}))
+        verified: dict[str, float] = dict(state.get(VERIFIED_KEY, {}))
         now = time.time()
 
         def covered(spec: TableSpec, blocks: int) -> bool:
             # The last tick's result added the ranges its block count needed: a table that still
             # fits them (a growing table stays inside its last range for many ticks) is looked up
-            # in the instance again only as often as it is observed (a read of the instance's
+            # in the instance again only every SOURCE_OBSERVATION_SECONDS (a read of the instance's
             # storage per table, each tick, cost a run of 500 tables seconds).
-            before, last = state.get(spec.qualified_name), observed.get(spec.qualified_name)
+            before, last = state.get(spec.qualified_name), verified.get(spec.qualified_name)
             per = spec.table.blocks_per_partition
             return (before is not None and range_count(blocks, per) <= range_count(before, per)
-                    and last is not None and now - last[0] < SOURCE_OBSERVATION_SECONDS)
+                    and last is not None and now - last < SOURCE_OBSERVATION_SECONDS)
 
         with source.connect() as connection:
             # One table's problem holds back no other table.
             read = read_tables(connection, specs, on_error=lambda error: context.log.error(str(error)))
+            looked_up = [spec.qualified_name for spec in specs
+                         if spec.qualified_name in read and not covered(spec, read[spec.qualified_name][1].blocks)]
             requests, blocks = partition_requests(context.instance, connection, specs, read=read, covered=covered)
             lsn = source_db.current_lsn(connection)
-        observations = []
-        for spec in specs:
-            if spec.qualified_name not in read:
-                continue
-            table, size = read[spec.qualified_name]
-            digest = _columns_digest(table)
-            last = observed.get(spec.qualified_name)
-            if last is None or last[1] != digest or now - last[0] >= SOURCE_OBSERVATION_SECONDS:
-                observations.append(source_observation(spec, size, lsn, table))
-                observed[spec.qualified_name] = [now, digest]
+        verified.update(dict.fromkeys(looked_up, now))
+        observations, waiting = _source_observations(specs, read, observed, lsn, now, observations_per_tick)
+        if waiting:
+            context.log.info(f"{waiting} source table observation(s) wait for the next tick")
         fail_dead_snapshot_runs(context, now)
-        cursor = json.dumps({**blocks, OBSERVED_KEY: {name: observed[name] for name in blocks if name in observed}},
+        cursor = json.dumps({**blocks, OBSERVED_KEY: {name: observed[name] for name in blocks if name in observed},
+                             VERIFIED_KEY: {name: verified[name] for name in blocks if name in verified}},
                             sort_keys=True)
         added = sum(len(r.partition_keys) for r in requests)
         if added:
@@ -163,6 +170,32 @@ def build_partitions_sensor(specs: list[TableSpec], group: str) -> dg.SensorDefi
         return dg.SensorResult(dynamic_partitions_requests=requests, asset_events=observations, cursor=cursor)
 
     return _partitions
+
+
+def _source_observations(specs: list[TableSpec], read: dict[str, tuple[TableSchema, source_db.TableSize]],
+                         observed: dict[str, list], lsn: int, now: float,
+                         per_tick: int) -> tuple[list[dg.AssetObservation], int]:
+    """This tick's observations of source tables, `observed` updated, and how many due ones wait: a
+    table whose columns changed is always observed; one never observed, or last observed over
+    SOURCE_OBSERVATION_SECONDS ago, takes one of `per_tick` places, the longest unobserved first."""
+    changed, due = [], []
+    for spec in specs:
+        if spec.qualified_name not in read:
+            continue
+        digest = _columns_digest(read[spec.qualified_name][0])
+        last = observed.get(spec.qualified_name)
+        if last is not None and last[1] != digest:
+            changed.append((spec, digest))
+        elif last is None or now - last[0] >= SOURCE_OBSERVATION_SECONDS:
+            due.append((last[0] if last is not None else -math.inf, spec, digest))
+    due.sort(key=lambda entry: entry[0])
+    chosen = changed + [(spec, digest) for _, spec, digest in due[:per_tick]]
+    observations = []
+    for spec, digest in chosen:
+        table, size = read[spec.qualified_name]
+        observations.append(source_observation(spec, size, lsn, table))
+        observed[spec.qualified_name] = [now, digest]
+    return observations, max(0, len(due) - per_tick)
 
 
 def _columns_digest(table: TableSchema) -> str:

@@ -31,6 +31,7 @@ from siphon_dagster.sensors import (
     FAILURE_MEMORY_SECONDS,
     OBSERVED_KEY,
     SOURCE_OBSERVATION_SECONDS,
+    VERIFIED_KEY,
     backoff_seconds,
     build_streaming_sensor,
 )
@@ -107,7 +108,7 @@ def test_partitions_tick_with_nothing_new_requests_nothing(config):
         assert len(instance.get_dynamic_partitions(spec.partitions_def_name)) > 0
 
 
-def test_a_table_whose_size_did_not_change_has_its_partitions_looked_up_only_with_its_observation(config):
+def test_a_table_whose_size_did_not_change_has_its_partitions_looked_up_only_every_observation_interval(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
@@ -116,14 +117,14 @@ def test_a_table_whose_size_did_not_change_has_its_partitions_looked_up_only_wit
         instance.delete_dynamic_partition(spec.partitions_def_name, keys[-1])  # by hand, at the instance
         # Same block count as the cursor says, observed a moment ago: the instance is not read.
         assert tick(defs, config, instance, "_partitions", cursor=first.cursor).dynamic_partitions_requests == []
-        # Once the observation is due, the table's partitions are read again and the range comes back.
+        # Once the interval has passed, the table's partitions are read again and the range comes back.
         cursor = json.loads(first.cursor)
-        cursor[OBSERVED_KEY][spec.qualified_name][0] -= SOURCE_OBSERVATION_SECONDS + 1
+        cursor[VERIFIED_KEY][spec.qualified_name] -= SOURCE_OBSERVATION_SECONDS + 1
         due = tick(defs, config, instance, "_partitions", cursor=json.dumps(cursor))
         assert [list(r.partition_keys) for r in due.dynamic_partitions_requests] == [[keys[-1]]]
 
 
-def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_only_with_its_observation(config):
+def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_only_every_observation_interval(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     per = spec.table.blocks_per_partition
@@ -148,9 +149,9 @@ def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_on
         assert json.loads(grown.cursor)[spec.qualified_name] == blocks + 1
         # Still inside the ranges the last tick added: the instance is not read.
         assert grown.dynamic_partitions_requests == []
-        # Once the observation is due, the table's partitions are read again and the range comes back.
+        # Once the interval has passed, the table's partitions are read again and the range comes back.
         cursor = json.loads(grown.cursor)
-        cursor[OBSERVED_KEY][spec.qualified_name][0] -= SOURCE_OBSERVATION_SECONDS + 1
+        cursor[VERIFIED_KEY][spec.qualified_name] -= SOURCE_OBSERVATION_SECONDS + 1
         due = tick(defs, config, instance, "_partitions", cursor=json.dumps(cursor))
         assert [list(r.partition_keys) for r in due.dynamic_partitions_requests] == [[keys[-1]]]
 
@@ -181,6 +182,59 @@ def test_a_source_table_is_observed_again_when_its_columns_change_or_its_observa
             with psycopg.connect(config.source.dsn, autocommit=True) as connection:
                 connection.execute(sql.SQL("alter table {} drop column observed_note").format(
                     sql.Identifier(spec.schema, "grows")))
+
+
+def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the_next(postgres_dsn, nats_url,
+                                                                                    unique_name):
+    """Three tables, one observation a tick: each tick observes the table unobserved longest, a
+    table whose columns changed is observed at once beyond the limit, and a table not yet observed
+    has its partitions read once, not at every tick until its observation."""
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
+        for name in ("a", "b", "c"):
+            connection.execute(sql.SQL("create table {} (id int primary key, body text)").format(
+                sql.Identifier(unique_name, name)))
+            connection.execute(sql.SQL("insert into {} select g, repeat('x', 200) from generate_series(1, 100) g")
+                               .format(sql.Identifier(unique_name, name)))
+    raw = raw_config(postgres_dsn, nats_url, unique_name)
+    raw["tables"] = [{"name": f"{unique_name}.{name}", "blocks_per_partition": 4} for name in ("a", "b", "c")]
+    config = parse_config(raw)
+    specs = table_specs(config)
+    partitions = sensors.build_partitions_sensor(specs, "limited", observations_per_tick=1)
+
+    def limited_tick(instance, cursor):
+        context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(config))
+        result = partitions(context)
+        for request in result.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name,
+                                            list(request.partition_keys))
+        return result
+
+    with dg.instance_for_test() as instance:
+        first = limited_tick(instance, None)
+        assert [o.asset_key for o in first.asset_events] == [specs[0].source_key]
+        state = json.loads(first.cursor)
+        assert set(state[OBSERVED_KEY]) == {specs[0].qualified_name}
+        assert set(state[VERIFIED_KEY]) == {s.qualified_name for s in specs}  # every table's partitions read
+        # A partition removed by hand from a table not yet observed: not looked up again until the interval.
+        keys = instance.get_dynamic_partitions(specs[1].partitions_def_name)
+        instance.delete_dynamic_partition(specs[1].partitions_def_name, keys[-1])
+        second = limited_tick(instance, first.cursor)
+        assert [o.asset_key for o in second.asset_events] == [specs[1].source_key]
+        assert second.dynamic_partitions_requests == []
+        with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+            connection.execute(sql.SQL("alter table {} add column extra text").format(sql.Identifier(unique_name, "a")))
+        third = limited_tick(instance, second.cursor)
+        # "a" changed columns: observed at once, besides "c", the one never observed.
+        assert sorted(o.asset_key.to_user_string() for o in third.asset_events) == sorted(
+            [specs[0].source_key.to_user_string(), specs[2].source_key.to_user_string()])
+        assert limited_tick(instance, third.cursor).asset_events == []
+        # The oldest observation goes first once several are due.
+        state = json.loads(third.cursor)
+        for offset, spec in ((3000, specs[1]), (2000, specs[2]), (1000, specs[0])):
+            state[OBSERVED_KEY][spec.qualified_name][0] -= SOURCE_OBSERVATION_SECONDS + offset
+        aged = limited_tick(instance, json.dumps(state))
+        assert [o.asset_key for o in aged.asset_events] == [specs[1].source_key]
 
 
 def test_partitions_tick_after_growth_adds_only_the_new_ranges(config):
