@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -12,6 +12,8 @@ from siphon_core import naming
 from siphon_core.config import TableConfig
 from siphon_core.session import connection_options
 from siphon_dagster.targets.base import SourceColumn, TableSchema
+
+_Found = TypeVar("_Found")
 
 # Value text must not depend on database-level settings: the same pins as the producer's stream.
 SESSION_OPTIONS = connection_options()
@@ -82,10 +84,7 @@ def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
 
 
 def table_schema(connection: psycopg.Connection[Any], table: TableConfig) -> TableSchema:
-    found = table_schemas(connection, [table])[table.name]
-    if isinstance(found, SourceError):
-        raise found
-    return found
+    return _raised(table_schemas(connection, [table])[table.name])
 
 
 def table_schemas(connection: psycopg.Connection[Any],
@@ -251,10 +250,7 @@ group by named.schema_name, named.table_name
 
 
 def table_size(connection: psycopg.Connection[Any], table: TableConfig) -> TableSize:
-    found = table_sizes(connection, [table])[table.name]
-    if isinstance(found, SourceError):
-        raise found
-    return found
+    return _raised(table_sizes(connection, [table])[table.name])
 
 
 def table_sizes(connection: psycopg.Connection[Any],
@@ -272,6 +268,13 @@ def table_sizes(connection: psycopg.Connection[Any],
         result[table.name] = TableSize(blocks=(largest + block_size - 1) // block_size, block_size=block_size,
                                        bytes=total, row_estimate=int(estimate))
     return result
+
+
+def _raised(found: _Found | SourceError) -> _Found:
+    """What one table's read found, or its error raised."""
+    if isinstance(found, SourceError):
+        raise found
+    return found
 
 
 def current_lsn(connection: psycopg.Connection[Any]) -> int:
