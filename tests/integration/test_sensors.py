@@ -15,7 +15,7 @@ from dagster._core.test_utils import create_run_for_test
 from psycopg import sql
 
 from siphon_core import naming
-from siphon_core.config import parse_config
+from siphon_core.config import TableConfig, parse_config
 from siphon_dagster import sensors, source
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.run_liveness import (
@@ -761,9 +761,6 @@ def test_tables_are_read_in_one_query_each_and_a_bad_table_holds_back_no_other(p
     """Sensors read every table's columns and size at once: a missing table, one without a primary
     key and one whose exclude_columns names no column are reported by name, the others are read,
     a partitioned table is sized by its largest leaf, and odd names are matched exactly."""
-    from siphon_core.config import TableConfig
-    from siphon_dagster.sensors import read_tables
-
     def ident(*names):
         return sql.Identifier(unique_name, *names) if names else sql.Identifier(unique_name)
 
@@ -815,13 +812,13 @@ def test_tables_are_read_in_one_query_each_and_a_bad_table_holds_back_no_other(p
     specs = _specs_of(tables.values())
     errors: list[str] = []
     with psycopg.connect(postgres_dsn, autocommit=True) as connection:
-        read = read_tables(connection, specs, on_error=lambda error: errors.append(str(error)))
+        read = sensors.read_tables(connection, specs, on_error=lambda error: errors.append(str(error)))
     assert sorted(read) == sorted(s.qualified_name for s in specs
                                   if s.table.name in (tables["odd"].name, tables["lower"].name, tables["parted"].name))
     assert len(errors) == 3 and all(unique_name in e for e in errors)
     with psycopg.connect(postgres_dsn, autocommit=True) as connection, \
             pytest.raises(source.SourceError, match="not found in the source database"):
-        read_tables(connection, specs)
+        sensors.read_tables(connection, specs)
 
 
 def _specs_of(tables):
