@@ -316,6 +316,9 @@ def test_restart_keeps_data_and_a_second_server_is_refused(tmp_path: Path) -> No
     server = next(servers)
     server.client().command("CREATE TABLE kept (id UInt64) ENGINE = MergeTree ORDER BY id")
     server.client().command("INSERT INTO kept SELECT number FROM numbers(1000)")
+    # The engine's start-up settings travel beside the directory's name, never in it.
+    assert (tmp_path / "data" / "metadata").is_dir()
+    assert [entry.name for entry in tmp_path.iterdir() if "?" in entry.name] == []
 
     second = subprocess.run(server.argv(port=server.port + 1), capture_output=True, text=True, timeout=60)
     assert second.returncode == 1
