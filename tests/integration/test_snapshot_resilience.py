@@ -184,7 +184,12 @@ def test_a_snapshot_waiting_for_an_open_transaction_names_it_then_fails_at_its_l
         defs = build_definitions(config)
         spec_key = dg.AssetKey(["clickhouse", app.schema, "held"])
         asset = defs.resolve_assets_def(spec_key)
-        with dg.instance_for_test() as instance:
+        # The run's output is captured as the project's dagster.yaml captures it: Dagster's default
+        # starts `tail` and watcher processes per step and waits up to 30 s for each to end, which
+        # once held this run's end past the minute it is given.
+        logs = {"compute_logs": {"module": "siphon_dagster.compute_logs", "class": "FileComputeLogManager",
+                                 "config": {"base_dir": str(tmp_path / "logs")}}}
+        with dg.instance_for_test(overrides=logs) as instance:
             instance.add_dynamic_partitions(table_specs(config)[0].partitions_def_name, [key])
             results: list[dg.ExecuteInProcessResult] = []
             run = threading.Thread(target=lambda: results.append(
