@@ -91,6 +91,19 @@ def read_tables(connection, specs: list[TableSpec],
     return read
 
 
+def add_partitions(instance: dg.DagsterInstance, requests: Sequence[dg.AddDynamicPartitionsRequest]) -> int:
+    """Adds the requests' partitions to the instance; how many keys were asked for.
+
+    The sensors add them themselves rather than return them in their result: the daemon looked
+    each key up in its storage again before adding it, and wrote a log line of the keys per table.
+    On a first start of 500 tables both sensors that add partitions asked for all of them, and the
+    daemon spent 38 s doing so while the streaming run set its tables up. A key the instance has
+    already is left as it is, so two sensors adding the same table's ranges do no harm."""
+    for request in requests:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return sum(len(request.partition_keys) for request in requests)
+
+
 def partition_requests(instance: dg.DagsterInstance, connection, specs: list[TableSpec],
                        on_error: Callable[[source_db.SourceError], None] | None = None,
                        read: dict[str, tuple[TableSchema, source_db.TableSize]] | None = None,
@@ -161,13 +174,13 @@ def build_partitions_sensor(specs: list[TableSpec], group: str,
         if waiting:
             context.log.info(f"{waiting} source table observation(s) wait for the next tick")
         fail_dead_snapshot_runs(context, now)
+        added = add_partitions(context.instance, requests)
+        if added:
+            context.log.info(f"added {added} block-range partitions of {len(requests)} table(s)")
         cursor = json.dumps({**blocks, OBSERVED_KEY: {name: observed[name] for name in blocks if name in observed},
                              VERIFIED_KEY: {name: verified[name] for name in blocks if name in verified}},
                             sort_keys=True)
-        added = sum(len(r.partition_keys) for r in requests)
-        if added:
-            context.log.info(f"adding {added} block-range partitions")
-        return dg.SensorResult(dynamic_partitions_requests=requests, asset_events=observations, cursor=cursor)
+        return dg.SensorResult(asset_events=observations, cursor=cursor)
 
     return _partitions
 

@@ -20,7 +20,7 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG, PRIORITY_TAG
 
 from siphon_core.config import SnapshotsConfig
 from siphon_dagster.assets import snapshot_pool
-from siphon_dagster.sensors import partition_requests
+from siphon_dagster.sensors import add_partitions, partition_requests
 from siphon_dagster.snapshot.pool_slots import ensure_pool_limit
 from siphon_dagster.snapshot_plan import (
     FAILED,
@@ -394,11 +394,10 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
             cursor[name] = entry
 
         # Tables without partitions yet (the partitions sensor has not run since they were
-        # configured) are ticked last, with the partitions this tick's result adds before its run
-        # requests are submitted: their sizes are read at the source in one query.
+        # configured) are ticked last, with the partitions this tick adds before it requests their
+        # loads: their sizes are read at the source in one query.
         without_partitions: list[tuple[TableSpec, str, str]] = []
         deferred: list[str] = []  # tables whose new state waits for a later tick
-        added_requests: list[dg.AddDynamicPartitionsRequest] = []
         try:
             for index in range(first, first + len(tables)):
                 spec, target = tables[index % len(tables)]
@@ -417,7 +416,7 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
                     without_partitions.append((spec, target, name))
             if without_partitions:
                 new_specs = list({spec.partitions_def_name: spec for spec, _, _ in without_partitions}.values())
-                added_requests, added = _missing_partitions(context, new_specs, partitions_of)
+                added = _missing_partitions(context, new_specs, partitions_of)
                 for position, (spec, target, name) in enumerate(without_partitions):
                     # The budget holds here too: on a first start every table is new, and one tick
                     # looked at 500 of them for 99 s, a core taken from the streaming runs starting
@@ -439,27 +438,29 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
                 ensure_pool_limit(context.instance, snapshot_pool(target))
             except Exception as error:  # the loads still go; the run queue sets the limit a pass later
                 context.log.warning(f"{target}: cannot set the limit of pool {snapshot_pool(target)}: {error}")
-        return dg.SensorResult(run_requests=run_requests, dynamic_partitions_requests=added_requests,
-                               asset_events=events, cursor=json.dumps(cursor, sort_keys=True))
+        return dg.SensorResult(run_requests=run_requests, asset_events=events,
+                               cursor=json.dumps(cursor, sort_keys=True))
 
     return _snapshots
 
 
 def _missing_partitions(context: dg.SensorEvaluationContext, empty: list[TableSpec],
-                        existing: Callable[[TableSpec], Sequence[str]],
-                        ) -> tuple[list[dg.AddDynamicPartitionsRequest], dict[str, list[str]]]:
+                        existing: Callable[[TableSpec], Sequence[str]]) -> dict[str, list[str]]:
     """The partitions of `empty`, tables that have none yet (the partitions sensor has not run
-    since they were configured), added by this tick's result before its run requests are submitted;
+    since they were configured), added to the instance before this tick requests their loads;
     `existing(spec)`: the partitions this tick read of a table (none), not read again."""
     if not empty:
-        return [], {}
+        return {}
     try:
         with context.resources.source.connect() as connection:
             requests, _ = partition_requests(context.instance, connection, empty, existing=existing)
     except Exception as error:  # the source's problem: the tables wait for their partitions
         context.log.warning(f"cannot read the size of {len(empty)} new table(s) at the source: {error}")
-        return [], {}
-    return requests, {r.partitions_def_name: list(r.partition_keys) for r in requests}
+        return {}
+    added = add_partitions(context.instance, requests)
+    if added:
+        context.log.info(f"added {added} block-range partitions of {len(requests)} new table(s)")
+    return {r.partitions_def_name: list(r.partition_keys) for r in requests}
 
 
 def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: str, keys: Sequence[str],

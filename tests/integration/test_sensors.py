@@ -71,11 +71,10 @@ def tick(defs, config, instance, name, cursor=None):
     return sensor(defs, name)(context)
 
 
-def tick_and_add_partitions(defs, config, instance):
-    """A partitions tick whose requested partitions are added, as the daemon would."""
-    result = tick(defs, config, instance, "_partitions")
-    for request in result.dynamic_partitions_requests:
-        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+def partitions_tick(defs, config, instance, cursor=None):
+    """A partitions tick: it adds the partitions it finds missing to the instance itself."""
+    result = tick(defs, config, instance, "_partitions", cursor=cursor)
+    assert not result.dynamic_partitions_requests  # nothing is left for the daemon to add
     return result
 
 
@@ -83,8 +82,8 @@ def test_partitions_first_tick_adds_every_range_and_observes_the_source(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
-        result = tick(defs, config, instance, "_partitions")
-        keys = [key for request in result.dynamic_partitions_requests for key in request.partition_keys]
+        result = partitions_tick(defs, config, instance)
+        keys = instance.get_dynamic_partitions(spec.partitions_def_name)
         with psycopg.connect(config.source.dsn) as connection:
             blocks = connection.execute("select pg_relation_size(%s) / 8192",
                                         (f'"{spec.schema}".grows',)).fetchone()[0]
@@ -101,27 +100,28 @@ def test_partitions_tick_with_nothing_new_requests_nothing(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
-        first = tick_and_add_partitions(defs, config, instance)
-        second = tick(defs, config, instance, "_partitions", cursor=first.cursor)
-        assert second.dynamic_partitions_requests == []
+        first = partitions_tick(defs, config, instance)
+        keys = instance.get_dynamic_partitions(spec.partitions_def_name)
+        second = partitions_tick(defs, config, instance, cursor=first.cursor)
+        assert instance.get_dynamic_partitions(spec.partitions_def_name) == keys and keys
         assert second.cursor == first.cursor
-        assert len(instance.get_dynamic_partitions(spec.partitions_def_name)) > 0
 
 
 def test_a_table_whose_size_did_not_change_has_its_partitions_looked_up_only_every_observation_interval(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
-        first = tick_and_add_partitions(defs, config, instance)
+        first = partitions_tick(defs, config, instance)
         keys = instance.get_dynamic_partitions(spec.partitions_def_name)
         instance.delete_dynamic_partition(spec.partitions_def_name, keys[-1])  # by hand, at the instance
         # Same block count as the cursor says, observed a moment ago: the instance is not read.
-        assert tick(defs, config, instance, "_partitions", cursor=first.cursor).dynamic_partitions_requests == []
+        partitions_tick(defs, config, instance, cursor=first.cursor)
+        assert instance.get_dynamic_partitions(spec.partitions_def_name) == keys[:-1]
         # Once the interval has passed, the table's partitions are read again and the range comes back.
         cursor = json.loads(first.cursor)
         cursor[VERIFIED_KEY][spec.qualified_name] -= SOURCE_OBSERVATION_SECONDS + 1
-        due = tick(defs, config, instance, "_partitions", cursor=json.dumps(cursor))
-        assert [list(r.partition_keys) for r in due.dynamic_partitions_requests] == [[keys[-1]]]
+        partitions_tick(defs, config, instance, cursor=json.dumps(cursor))
+        assert instance.get_dynamic_partitions(spec.partitions_def_name) == keys
 
 
 def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_only_every_observation_interval(config):
@@ -130,12 +130,12 @@ def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_on
     per = spec.table.blocks_per_partition
     relation = sql.Identifier(spec.schema, "grows")
     with dg.instance_for_test() as instance, psycopg.connect(config.source.dsn, autocommit=True) as connection:
-        first = tick_and_add_partitions(defs, config, instance)
+        first = partitions_tick(defs, config, instance)
         blocks = json.loads(first.cursor)[spec.qualified_name]
         if blocks % per == 0:  # the last range is full: one block more, so that the next one fits in it
             connection.execute(sql.SQL("insert into {} select g, repeat('z', 200) from generate_series(3001, 3040) g")
                                .format(relation))
-            first = tick_and_add_partitions(defs, config, instance)
+            first = partitions_tick(defs, config, instance)
             blocks = json.loads(first.cursor)[spec.qualified_name]
         assert blocks % per != 0, blocks
         keys = instance.get_dynamic_partitions(spec.partitions_def_name)
@@ -145,22 +145,22 @@ def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_on
             connection.execute(sql.SQL("insert into {} select g, repeat('z', 200) from generate_series(%s::int, %s::int) g")
                                .format(relation), (start, start + 9))
             start += 10
-        grown = tick(defs, config, instance, "_partitions", cursor=first.cursor)
+        grown = partitions_tick(defs, config, instance, cursor=first.cursor)
         assert json.loads(grown.cursor)[spec.qualified_name] == blocks + 1
         # Still inside the ranges the last tick added: the instance is not read.
-        assert grown.dynamic_partitions_requests == []
+        assert instance.get_dynamic_partitions(spec.partitions_def_name) == keys[:-1]
         # Once the interval has passed, the table's partitions are read again and the range comes back.
         cursor = json.loads(grown.cursor)
         cursor[VERIFIED_KEY][spec.qualified_name] -= SOURCE_OBSERVATION_SECONDS + 1
-        due = tick(defs, config, instance, "_partitions", cursor=json.dumps(cursor))
-        assert [list(r.partition_keys) for r in due.dynamic_partitions_requests] == [[keys[-1]]]
+        partitions_tick(defs, config, instance, cursor=json.dumps(cursor))
+        assert instance.get_dynamic_partitions(spec.partitions_def_name) == keys
 
 
 def test_a_source_table_is_observed_again_when_its_columns_change_or_its_observation_is_old(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
-        first = tick_and_add_partitions(defs, config, instance)
+        first = partitions_tick(defs, config, instance)
         assert [o.asset_key for o in first.asset_events] == [spec.source_key]
         again = tick(defs, config, instance, "_partitions", cursor=first.cursor)
         assert again.asset_events == []  # observed a moment ago, nothing changed
@@ -205,9 +205,7 @@ def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the
     def limited_tick(instance, cursor):
         context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(config))
         result = partitions(context)
-        for request in result.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name,
-                                            list(request.partition_keys))
+        assert not result.dynamic_partitions_requests  # the tick added its partitions itself
         return result
 
     with dg.instance_for_test() as instance:
@@ -221,7 +219,7 @@ def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the
         instance.delete_dynamic_partition(specs[1].partitions_def_name, keys[-1])
         second = limited_tick(instance, first.cursor)
         assert [o.asset_key for o in second.asset_events] == [specs[1].source_key]
-        assert second.dynamic_partitions_requests == []
+        assert instance.get_dynamic_partitions(specs[1].partitions_def_name) == keys[:-1]
         with psycopg.connect(postgres_dsn, autocommit=True) as connection:
             connection.execute(sql.SQL("alter table {} add column extra text").format(sql.Identifier(unique_name, "a")))
         third = limited_tick(instance, second.cursor)
@@ -241,14 +239,14 @@ def test_partitions_tick_after_growth_adds_only_the_new_ranges(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
-        first = tick_and_add_partitions(defs, config, instance)
+        first = partitions_tick(defs, config, instance)
         before = set(instance.get_dynamic_partitions(spec.partitions_def_name))
         with psycopg.connect(config.source.dsn, autocommit=True) as connection:
             connection.execute(sql.SQL("insert into {} select g, repeat('y', 200) from generate_series(301, 3000) g")
                                .format(sql.Identifier(spec.schema, "grows")))
-        grown = tick(defs, config, instance, "_partitions", cursor=first.cursor)
-        added = [key for request in grown.dynamic_partitions_requests for key in request.partition_keys]
-        assert added and not before & set(added)
+        grown = partitions_tick(defs, config, instance, cursor=first.cursor)
+        after = instance.get_dynamic_partitions(spec.partitions_def_name)
+        assert set(after) > before  # the new ranges added, the earlier ones kept
         assert json.loads(grown.cursor)[spec.qualified_name] > json.loads(first.cursor)[spec.qualified_name]
 
 
@@ -452,7 +450,7 @@ def test_a_snapshot_run_is_tagged_with_the_process_that_runs_it(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
     with dg.instance_for_test() as instance:
-        tick_and_add_partitions(defs, config, instance)
+        partitions_tick(defs, config, instance)
         key = instance.get_dynamic_partitions(spec.partitions_def_name)[0]
         # The ClickHouse target here is unreachable: the run fails, after it tagged itself.
         result = dg.materialize([defs.resolve_assets_def(spec.target_key("clickhouse"))], partition_key=key,
@@ -469,11 +467,12 @@ def test_a_table_without_a_primary_key_holds_back_no_other_table(config, postgre
                          + [{"name": f"{schema}.keyless"}]})
     defs = build_definitions(both)
     with dg.instance_for_test() as instance:
-        result = tick(defs, both, instance, "_partitions")
+        result = partitions_tick(defs, both, instance)
         assert [o.asset_key for o in result.asset_events] == [table_specs(both)[0].source_key]
         # The keyless table is refused, as the producer refuses it: no partitions for it, the other's go on.
-        assert {r.partitions_def_name for r in result.dynamic_partitions_requests} == \
-            {table_specs(both)[0].partitions_def_name}
+        kept, keyless = table_specs(both)
+        assert instance.get_dynamic_partitions(kept.partitions_def_name)
+        assert instance.get_dynamic_partitions(keyless.partitions_def_name) == []
 
 
 def with_tables(config, names, groups=None):

@@ -76,8 +76,7 @@ class Harness:
         context = dg.build_sensor_context(instance=self.instance, cursor=self.cursor,
                                           resources=build_resources(self.config), definitions=self.defs)
         result = self.sensor(context)
-        for request in result.dynamic_partitions_requests:
-            self.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        assert not result.dynamic_partitions_requests  # a tick adds the partitions it needs itself
         for event in result.asset_events:
             self.instance.report_runless_asset_event(event)
         self.cursor = result.cursor
@@ -136,13 +135,13 @@ def test_first_tick_requests_every_partition_of_a_new_table_even_when_the_stream
             target.close()
         result = harness.tick()
         # The partitions sensor has not run yet: this tick adds them itself, and asks for each.
-        [added] = result.dynamic_partitions_requests
-        assert len(added.partition_keys) >= 2
-        assert [r.partition_key for r in result.run_requests] == list(added.partition_keys)
+        added = harness.keys
+        assert len(added) >= 2
+        assert [r.partition_key for r in result.run_requests] == added
         for request in result.run_requests:
             assert request.asset_selection == [harness.key]
             assert request.tags[AUTOLOAD_TAG] == f"clickhouse:{harness.spec.qualified_name}"
-        assert state(result) == f"snapshotting: 0 of {len(added.partition_keys)} partitions loaded"
+        assert state(result) == f"snapshotting: 0 of {len(added)} partitions loaded"
         assert "load" in harness.entry()
 
 
@@ -160,7 +159,7 @@ def test_a_tick_that_requests_loads_gives_the_target_pool_its_default_limit_and_
         assert instance.event_log_storage.get_concurrency_info(pool).slot_count == 5
 
 
-def test_the_daemon_accepts_requests_for_partitions_added_in_the_same_tick(config):
+def test_the_daemon_accepts_requests_for_partitions_the_tick_added(config):
     with dg.instance_for_test() as instance:
         harness = Harness(config, instance)
         repository = harness.defs.get_repository_def()
@@ -171,7 +170,8 @@ def test_the_daemon_accepts_requests_for_partitions_added_in_the_same_tick(confi
                 log_key=None, repository_name=repository.name, repository_def=repository,
                 sensor_name=harness.sensor.name, resources=build_resources(config)) as context:
             data = harness.sensor.evaluate_tick(context)
-        keys = list(data.dynamic_partitions_requests[0].partition_keys)
+        keys = harness.keys
+        assert keys and not data.dynamic_partitions_requests
         assert [r.partition_key for r in data.run_requests] == keys
         assert all(r.tags["dagster/partition"] == r.partition_key for r in data.run_requests)
 
@@ -437,11 +437,8 @@ def test_a_first_start_looks_at_new_tables_within_the_budget_and_adds_every_part
         # Both tables are new: the first is looked at (a load asked for), the second waits, and
         # both get their partitions now.
         assert {r.tags[AUTOLOAD_TAG] for r in first.run_requests} == {f"clickhouse:{specs[0].qualified_name}"}
-        assert {r.partitions_def_name for r in first.dynamic_partitions_requests} == \
-            {spec.partitions_def_name for spec in specs}
+        assert all(instance.get_dynamic_partitions(spec.partitions_def_name) for spec in specs)
         assert json.loads(first.cursor)["_resume"] == f"clickhouse:{specs[1].qualified_name}"
-        for request in first.dynamic_partitions_requests:
-            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
         second = sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor, resources=build_resources(both),
                                                 definitions=defs))
         assert f"clickhouse:{specs[1].qualified_name}" in {r.tags[AUTOLOAD_TAG] for r in second.run_requests}
@@ -453,7 +450,7 @@ def test_an_unreachable_target_requests_nothing_and_fails_no_tick(config, postgr
         harness = Harness(unreachable, instance)
         result = harness.tick()
         assert result.run_requests == [] and state(result) == "not loaded"
-        assert result.dynamic_partitions_requests  # the partitions still come
+        assert harness.keys  # the partitions still come
 
 
 def test_the_state_shows_streaming_lag_and_check_results(config):
@@ -499,11 +496,8 @@ def test_a_tick_records_at_most_its_number_of_states_and_the_rest_at_the_next(co
     names = [f"clickhouse:{spec.qualified_name}" for spec in specs]
     with dg.instance_for_test() as instance:
         def tick(cursor):
-            result = sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
-                                                    definitions=defs))
-            for request in result.dynamic_partitions_requests:
-                instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-            return result
+            return sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
+                                                  definitions=defs))
 
         first = tick(None)
         assert [e.asset_key for e in first.asset_events] == [specs[0].target_key("clickhouse")]
