@@ -15,7 +15,7 @@ from siphon_dagster import source
 from siphon_dagster.definitions import build_definitions
 from siphon_dagster.partitions import parse_key
 from siphon_dagster.resync import resync_op_name
-from siphon_dagster.sensors import add_partitions, partition_requests
+from siphon_dagster.sensors import add_partitions, key_count, partition_requests
 from siphon_dagster.specs import TableSpec, table_specs
 
 # The tags `dagster asset materialize --partition-range` sets: one run walks the range.
@@ -79,7 +79,7 @@ def refresh_partitions(instance: dg.DagsterInstance, config: SiphonConfig, specs
     """Adds the partitions of the tables' current sizes to the instance (what the sensor does)."""
     with source.connect(config.source.conninfo(), autocommit=True) as connection:
         requests, _ = partition_requests(instance, connection, specs)
-    return add_partitions(instance, requests)
+    return key_count(add_partitions(instance, requests))
 
 
 def partition_spans(instance: dg.DagsterInstance, spec: TableSpec, selection: str) -> list[tuple[str, str]]:

@@ -58,6 +58,8 @@ OBSERVED_KEY = "_observed"  # in the cursor: table -> [when last observed, diges
 # the streaming run sets its tables up. The others wait for the next ticks, the longest unobserved
 # first (so their later observations stay spread over the interval).
 SOURCE_OBSERVATIONS_PER_TICK = 100
+# How long a tick adds partitions at most; the tables left wait for its next tick.
+ADD_PARTITIONS_SECONDS = 20.0
 VERIFIED_KEY = "_verified"  # in the cursor: table -> when its partitions were last read from the instance
 # The streaming sensor looks for consumers of tables no longer replicated this often (a listing of
 # the stream's consumers: a few requests for hundreds of tables).
@@ -91,16 +93,28 @@ def read_tables(connection, specs: list[TableSpec],
     return read
 
 
-def add_partitions(instance: dg.DagsterInstance, requests: Sequence[dg.AddDynamicPartitionsRequest]) -> int:
-    """Adds the requests' partitions to the instance; how many keys were asked for.
+def add_partitions(instance: dg.DagsterInstance, requests: Sequence[dg.AddDynamicPartitionsRequest],
+                   budget_seconds: float | None = None) -> list[dg.AddDynamicPartitionsRequest]:
+    """Adds the requests' partitions to the instance; the requests added, in order. With
+    `budget_seconds`, the requests left once it is spent are not added: a sensor's tick has a
+    minute in all, and the tables they are for wait for its next tick.
 
     The sensors add them themselves rather than return them in their result: the daemon looked
     each key up in its storage again before adding it, and wrote a log line of the keys per table.
     On a first start of 500 tables both sensors that add partitions asked for all of them, and the
     daemon spent 38 s doing so while the streaming run set its tables up. A key the instance has
     already is left as it is, so two sensors adding the same table's ranges do no harm."""
+    started = time.monotonic()
+    added = []
     for request in requests:
+        if added and budget_seconds is not None and time.monotonic() - started > budget_seconds:
+            break
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        added.append(request)
+    return added
+
+
+def key_count(requests: Sequence[dg.AddDynamicPartitionsRequest]) -> int:
     return sum(len(request.partition_keys) for request in requests)
 
 
@@ -174,9 +188,16 @@ def build_partitions_sensor(specs: list[TableSpec], group: str,
         if waiting:
             context.log.info(f"{waiting} source table observation(s) wait for the next tick")
         fail_dead_snapshot_runs(context, now)
-        added = add_partitions(context.instance, requests)
+        added = add_partitions(context.instance, requests, budget_seconds=ADD_PARTITIONS_SECONDS)
         if added:
-            context.log.info(f"added {added} block-range partitions of {len(requests)} table(s)")
+            context.log.info(f"added {key_count(added)} block-range partitions of {len(added)} table(s)")
+        if len(added) < len(requests):
+            # Not marked as verified: the next tick reads those tables' partitions and adds them.
+            left = {request.partitions_def_name for request in requests[len(added):]}
+            for spec in specs:
+                if spec.partitions_def_name in left:
+                    verified.pop(spec.qualified_name, None)
+            context.log.info(f"the partitions of {len(requests) - len(added)} table(s) are added next tick")
         cursor = json.dumps({**blocks, OBSERVED_KEY: {name: observed[name] for name in blocks if name in observed},
                              VERIFIED_KEY: {name: verified[name] for name in blocks if name in verified}},
                             sort_keys=True)

@@ -20,7 +20,7 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG, PRIORITY_TAG
 
 from siphon_core.config import SnapshotsConfig
 from siphon_dagster.assets import snapshot_pool
-from siphon_dagster.sensors import add_partitions, partition_requests
+from siphon_dagster.sensors import ADD_PARTITIONS_SECONDS, add_partitions, key_count, partition_requests
 from siphon_dagster.snapshot.pool_slots import ensure_pool_limit
 from siphon_dagster.snapshot_plan import (
     FAILED,
@@ -457,10 +457,12 @@ def _missing_partitions(context: dg.SensorEvaluationContext, empty: list[TableSp
     except Exception as error:  # the source's problem: the tables wait for their partitions
         context.log.warning(f"cannot read the size of {len(empty)} new table(s) at the source: {error}")
         return {}
-    added = add_partitions(context.instance, requests)
+    added = add_partitions(context.instance, requests, budget_seconds=ADD_PARTITIONS_SECONDS)
     if added:
-        context.log.info(f"added {added} block-range partitions of {len(requests)} new table(s)")
-    return {r.partitions_def_name: list(r.partition_keys) for r in requests}
+        context.log.info(f"added {key_count(added)} block-range partitions of {len(added)} new table(s)")
+    if len(added) < len(requests):
+        context.log.info(f"the partitions of {len(requests) - len(added)} new table(s) are added next tick")
+    return {r.partitions_def_name: list(r.partition_keys) for r in added}
 
 
 def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: str, keys: Sequence[str],

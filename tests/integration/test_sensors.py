@@ -235,6 +235,40 @@ def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the
         assert [o.asset_key for o in aged.asset_events] == [specs[1].source_key]
 
 
+def test_a_tick_adds_partitions_within_its_budget_and_the_rest_at_the_next(postgres_dsn, nats_url, unique_name,
+                                                                          monkeypatch):
+    """Three new tables and no time to add partitions: a tick adds one table's and leaves the
+    others unverified in its cursor, so the next ticks add theirs."""
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
+        for name in ("a", "b", "c"):
+            connection.execute(sql.SQL("create table {} (id int primary key, body text)").format(
+                sql.Identifier(unique_name, name)))
+            connection.execute(sql.SQL("insert into {} select g, repeat('x', 200) from generate_series(1, 100) g")
+                               .format(sql.Identifier(unique_name, name)))
+    raw = raw_config(postgres_dsn, nats_url, unique_name)
+    raw["tables"] = [{"name": f"{unique_name}.{name}", "blocks_per_partition": 4} for name in ("a", "b", "c")]
+    config = parse_config(raw)
+    specs = table_specs(config)
+    partitions = sensors.build_partitions_sensor(specs, "budget")
+    monkeypatch.setattr(sensors, "ADD_PARTITIONS_SECONDS", 0.0)
+
+    def with_partitions(instance):
+        return [spec.qualified_name for spec in specs if instance.get_dynamic_partitions(spec.partitions_def_name)]
+
+    with dg.instance_for_test() as instance:
+        cursor = None
+        for count in (1, 2, 3, 3):
+            result = partitions(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                                        resources=build_resources(config)))
+            cursor = result.cursor
+            assert len(with_partitions(instance)) == count
+            assert sorted(json.loads(cursor)[VERIFIED_KEY]) == sorted(with_partitions(instance))
+        for spec in specs:  # every range of each table, added once
+            keys = instance.get_dynamic_partitions(spec.partitions_def_name)
+            assert len(keys) == len(set(keys)) and keys[0] == "00000000-00000003"
+
+
 def test_partitions_tick_after_growth_adds_only_the_new_ranges(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]

@@ -393,6 +393,28 @@ def with_a_second_table(config, postgres_dsn):
     return both, table_specs(both), build_definitions(both)
 
 
+def test_new_tables_whose_partitions_a_tick_had_no_time_to_add_are_loaded_from_the_next(config, postgres_dsn,
+                                                                                       monkeypatch):
+    both, specs, defs = with_a_second_table(config, postgres_dsn)
+    monkeypatch.setattr(snapshot_sensor, "ADD_PARTITIONS_SECONDS", 0.0)
+    sensor = build_snapshot_sensor(specs, "test", both.snapshots)
+    with dg.instance_for_test() as instance:
+        def tick(cursor):
+            return sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
+                                                  definitions=defs))
+
+        def loads(result):
+            return {r.tags[AUTOLOAD_TAG] for r in result.run_requests}
+
+        first = tick(None)
+        # One table's partitions added, and its loads asked for; the other has none yet and waits.
+        assert [bool(instance.get_dynamic_partitions(spec.partitions_def_name)) for spec in specs] == [True, False]
+        assert loads(first) == {f"clickhouse:{specs[0].qualified_name}"}
+        second = tick(first.cursor)
+        assert all(instance.get_dynamic_partitions(spec.partitions_def_name) for spec in specs)
+        assert f"clickhouse:{specs[1].qualified_name}" in loads(second)
+
+
 def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn, monkeypatch):
     both, specs, defs = with_a_second_table(config, postgres_dsn)
     sensor = build_snapshot_sensor(specs, "test", both.snapshots, tick_budget_seconds=0)
