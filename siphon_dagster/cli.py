@@ -24,7 +24,7 @@ from siphon_core.redaction import redact_dsn
 from siphon_dagster import source
 from siphon_dagster.cli_errors import SERVICE_ERRORS, one_line, quiet_libraries
 from siphon_dagster.cli_runs import RUN_COMMANDS, add_run_commands, run_command  # snapshot, resync, repair
-from siphon_dagster.sensors import add_partitions, key_count, partition_requests
+from siphon_dagster.runs import refresh_partitions
 from siphon_dagster.specs import TableSpec, table_specs
 from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema
@@ -97,8 +97,7 @@ def _main(argv: list[str] | None = None) -> int:
     instance = dg.DagsterInstance.get()
     if args.action == "refresh":
         try:
-            with source.connect(config.source.conninfo(), autocommit=True) as connection:
-                requests, _ = partition_requests(instance, connection, specs)
+            added = refresh_partitions(instance, config, specs)
         except source.SourceError as error:
             print(f"siphon-dagster: {error}", file=sys.stderr)
             return 2
@@ -106,7 +105,7 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"siphon-dagster: cannot reach the source at {redact_dsn(config.source.dsn)}: "
                   f"{one_line(error).removeprefix('PostgreSQL: ')}", file=sys.stderr)
             return 1
-        print(f"added {key_count(add_partitions(instance, requests))} partitions")
+        print(f"added {added} partitions")
     for spec in specs:
         keys = instance.get_dynamic_partitions(spec.partitions_def_name)
         print(f"{spec.qualified_name}: {len(keys)} partitions" + ("" if args.action == "refresh" else ""))

@@ -184,11 +184,9 @@ def test_a_source_table_is_observed_again_when_its_columns_change_or_its_observa
                     sql.Identifier(spec.schema, "grows")))
 
 
-def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the_next(postgres_dsn, nats_url,
-                                                                                    unique_name):
-    """Three tables, one observation a tick: each tick observes the table unobserved longest, a
-    table whose columns changed is observed at once beyond the limit, and a table not yet observed
-    has its partitions read once, not at every tick until its observation."""
+def three_tables(postgres_dsn, nats_url, unique_name):
+    """A configuration of three tables of 100 rows, `a`, `b` and `c`, made in a schema of their own,
+    at 4 blocks a partition."""
     with psycopg.connect(postgres_dsn, autocommit=True) as connection:
         connection.execute(sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
         for name in ("a", "b", "c"):
@@ -198,7 +196,15 @@ def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the
                                .format(sql.Identifier(unique_name, name)))
     raw = raw_config(postgres_dsn, nats_url, unique_name)
     raw["tables"] = [{"name": f"{unique_name}.{name}", "blocks_per_partition": 4} for name in ("a", "b", "c")]
-    config = parse_config(raw)
+    return parse_config(raw)
+
+
+def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the_next(postgres_dsn, nats_url,
+                                                                                    unique_name):
+    """Three tables, one observation a tick: each tick observes the table unobserved longest, a
+    table whose columns changed is observed at once beyond the limit, and a table not yet observed
+    has its partitions read once, not at every tick until its observation."""
+    config = three_tables(postgres_dsn, nats_url, unique_name)
     specs = table_specs(config)
     partitions = sensors.build_partitions_sensor(specs, "limited", observations_per_tick=1)
 
@@ -239,16 +245,7 @@ def test_a_tick_adds_partitions_within_its_budget_and_the_rest_at_the_next(postg
                                                                           monkeypatch):
     """Three new tables and no time to add partitions: a tick adds one table's and leaves the
     others unverified in its cursor, so the next ticks add theirs."""
-    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
-        connection.execute(sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
-        for name in ("a", "b", "c"):
-            connection.execute(sql.SQL("create table {} (id int primary key, body text)").format(
-                sql.Identifier(unique_name, name)))
-            connection.execute(sql.SQL("insert into {} select g, repeat('x', 200) from generate_series(1, 100) g")
-                               .format(sql.Identifier(unique_name, name)))
-    raw = raw_config(postgres_dsn, nats_url, unique_name)
-    raw["tables"] = [{"name": f"{unique_name}.{name}", "blocks_per_partition": 4} for name in ("a", "b", "c")]
-    config = parse_config(raw)
+    config = three_tables(postgres_dsn, nats_url, unique_name)
     specs = table_specs(config)
     partitions = sensors.build_partitions_sensor(specs, "budget")
     monkeypatch.setattr(sensors, "ADD_PARTITIONS_SECONDS", 0.0)
