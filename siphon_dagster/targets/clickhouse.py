@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import clickhouse_connect
@@ -28,6 +28,7 @@ from clickhouse_connect.driver.external import ExternalData
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from siphon_core.config import ClickHouseTargetConfig
+from siphon_core.logs import get_logger
 from siphon_core.redaction import redact_url
 from siphon_dagster.targets import clickhouse_sql as sql
 from siphon_dagster.targets.base import (
@@ -44,6 +45,9 @@ from siphon_dagster.targets.sql_dialect import staging_names
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
 from siphon_dagster.targets.thread_connections import ConnectionPerThread
 from siphon_dagster.targets.type_mapping import clickhouse_type
+
+_log = get_logger("targets.clickhouse")
+_T = TypeVar("_T")
 
 # Replacing versions is left to merges and to the view's FINAL: the same step run on every inserted
 # block (optimize_on_insert) finds nothing to replace among one snapshot's rows, and costs about a
@@ -99,6 +103,7 @@ class ClickHouseTarget(SqlTarget):
         if self._sibling_clients is None:
             self._sibling_clients = ConnectionPerThread(lambda: self._open(settings=BATCH_INSERT_SETTINGS))
         sibling = ClickHouseTarget(self.config, shared=self._sibling_clients)
+        sibling.dialect = self.dialect  # a default table setting the server refuses is left out once for all
         self._share_shadow_lookups(sibling)
         if self._tables_at_start is None:
             self._tables_at_start = TablesAtStart()
@@ -265,17 +270,32 @@ class ClickHouseTarget(SqlTarget):
     # -- the live table's landing ----------------------------------------------------------------
 
     def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
-        try:
-            change = super().ensure_table(table, backfill)
-        except TargetError as error:
-            refused = [name for name in self.config.table_settings if name in str(error)]
-            if refused:
-                raise TargetError(f"{error}; the server refuses the table setting(s) {refused}: set "
-                                  "targets.clickhouse.table_settings in siphon.yaml without them ({} for none)") from error
-            raise
+        change = self._with_table_settings(lambda: super(ClickHouseTarget, self).ensure_table(table, backfill))
         if not change.incompatible:
             self._ensure_landing(self._names(table), new=change.created)
         return change
+
+    def create_shadow(self, table: TableSchema) -> None:
+        self._with_table_settings(lambda: super(ClickHouseTarget, self).create_shadow(table))
+
+    def _with_table_settings(self, make: Callable[[], _T]) -> _T:
+        """`make()`, which creates tables with `table_settings`. A setting the server refuses is an
+        error when siphon.yaml gives it; one of Siphon's defaults (for servers of recent years) is
+        left out, with one warning, and the tables are made again without it."""
+        while True:
+            try:
+                return make()
+            except TargetError as error:
+                refused = [name for name in self.dialect.table_settings if name in str(error)]
+                if not refused:
+                    raise
+                if "table_settings" in self.config.model_fields_set:
+                    raise TargetError(f"{error}; the server refuses the table setting(s) {refused}: set "
+                                      "targets.clickhouse.table_settings in siphon.yaml without them ({} for none)") from error
+                _log.warning("the server refuses table settings Siphon sets by default: tables are made without them",
+                             server=self.location, settings=refused)
+                for name in refused:
+                    self.dialect.table_settings.pop(name, None)
 
     def _landing_of(self, names: TableNames) -> tuple[str, str, str]:
         """(bare name, landing table, its view) of the landing for the table's current columns: a
