@@ -280,8 +280,8 @@ class ClickHouseTarget(SqlTarget):
 
     def _with_table_settings(self, make: Callable[[], _T]) -> _T:
         """`make()`, which creates tables with `table_settings`. A setting the server refuses is an
-        error when siphon.yaml gives it; one of Siphon's defaults (for servers of recent years) is
-        left out, with one warning, and the tables are made again without it."""
+        error when siphon.yaml gives it; one of Siphon's defaults is left out, with one warning, and
+        the tables are made again without it."""
         while True:
             try:
                 return make()

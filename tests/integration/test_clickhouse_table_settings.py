@@ -1,7 +1,7 @@
 """The MergeTree settings of the tables the ClickHouse target makes (`targets.clickhouse.table_settings`).
 
-Siphon's defaults are for servers of recent years: a server that refuses one of them still gets its
-tables, without that setting and with one warning. A setting siphon.yaml gives that the server
+A server that refuses one of Siphon's defaults still gets its tables, without that setting and with
+one warning. A setting siphon.yaml gives that the server
 refuses is an error naming it and the key to change.
 """
 
@@ -71,7 +71,7 @@ def test_a_default_setting_the_server_refuses_is_left_out_with_one_warning(
         warnings = [r.getMessage() for r in caplog.records if r.name == "siphon.targets.clickhouse"]
         assert len(warnings) == 1 and UNKNOWN in warnings[0] and "by default" in warnings[0], warnings
         made = table_settings_of(clickhouse_url, unique_name, "public__notes")
-        assert UNKNOWN not in made and "min_parts_to_merge_at_once = 20" in made, made
+        assert UNKNOWN not in made and "min_bytes_for_full_part_storage = 16777216" in made, made
         target.apply_rows(NOTES, batch(NOTES, [row(1, "a", 1, 1)]))
         assert target.current_rows_as_text(NOTES) == [("1", "a", "1")]
         sibling.close()
