@@ -48,6 +48,8 @@ from siphon_dagster.targets.type_mapping import clickhouse_type
 
 _log = get_logger("targets.clickhouse")
 _T = TypeVar("_T")
+# How ClickHouse names an error about a setting it will not take.
+_SETTING_REFUSALS = ("UNKNOWN_SETTING", "SETTING_CONSTRAINT_VIOLATION", "READONLY_SETTING", "Unknown setting")
 
 # Replacing versions is left to merges and to the view's FINAL: the same step run on every inserted
 # block (optimize_on_insert) finds nothing to replace among one snapshot's rows, and costs about a
@@ -286,7 +288,7 @@ class ClickHouseTarget(SqlTarget):
             try:
                 return make()
             except TargetError as error:
-                refused = [name for name in self.dialect.table_settings if name in str(error)]
+                refused = _refused_settings(error, self.dialect.table_settings)
                 if not refused:
                     raise
                 if "table_settings" in self.config.model_fields_set:
@@ -472,6 +474,15 @@ class TablesAtStart:
         with self._lock:
             if self._names is not None:
                 self._names.add(table)
+
+
+def _refused_settings(error: TargetError, settings: Iterable[str]) -> list[str]:
+    """The settings a statement was refused for: named by the server's error for an unknown setting
+    or one its profile does not allow (a syntax error may quote a statement's settings too)."""
+    text = str(error)
+    if not any(reason in text for reason in _SETTING_REFUSALS):
+        return []
+    return [name for name in settings if name in text]
 
 
 def _already_exists(error: BaseException | None) -> bool:

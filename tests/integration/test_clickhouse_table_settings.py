@@ -1,8 +1,8 @@
 """The MergeTree settings of the tables the ClickHouse target makes (`targets.clickhouse.table_settings`).
 
 A server that refuses one of Siphon's defaults still gets its tables, without that setting and with
-one warning. A setting siphon.yaml gives that the server
-refuses is an error naming it and the key to change.
+one warning. A setting siphon.yaml gives that the server refuses is an error naming it and the key
+to change. Any other error of a statement that carries the settings is left as it is.
 """
 
 from __future__ import annotations
