@@ -185,16 +185,22 @@ def change_rows(folded: pa.Table, table: TableSchema) -> pa.Table:
 
 
 def _as_text(folded: pa.Table, table: TableSchema) -> pa.Table:
-    """Value columns from bytes to strings; PostgreSQL text of a UTF-8 database is valid UTF-8."""
+    """Value columns from bytes to strings; PostgreSQL text of a UTF-8 database is valid UTF-8.
+
+    Each column is viewed as strings in place and its UTF-8 checked, and the table is built once:
+    a cast and a new table per column cost a wide table's batch three times as much."""
+    columns, fields = folded.columns, list(folded.schema)
     for i, column in enumerate(table.columns):
-        name = value_column(i)
+        at = folded.schema.get_field_index(value_column(i))
+        text_type = pa.large_string() if pa.types.is_large_binary(columns[at].type) else pa.string()
+        text = pa.chunked_array([chunk.view(text_type) for chunk in columns[at].chunks], text_type)
         try:
-            text = pc.cast(folded.column(name), pa.string())
+            text.validate(full=True)
         except pa.ArrowInvalid as error:
             raise ValueError(f"table {table.schema}.{table.table}, column {column.name}: a value is not valid "
                              f"UTF-8 ({error}); Siphon needs a UTF-8 source database") from None
-        folded = folded.set_column(folded.schema.get_field_index(name), name, text)
-    return folded
+        columns[at], fields[at] = text, fields[at].with_type(text_type)
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
 def _lap(started: float) -> float:

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from siphon_core import naming
 from siphon_core.wire import siphon_pb2 as pb
@@ -93,9 +92,17 @@ def _kept(rows: pa.Table, keep: np.ndarray) -> pa.Table:
 
 
 def with_version(rows: pa.Table) -> pa.Table:
-    """Adds `_version` = naming.row_version(_lsn, _pos) as DECIMAL(38, 0), exact for any LSN."""
-    shifted = pc.multiply(rows.column("_lsn").cast(pa.decimal128(19, 0)), pa.scalar(1 << 32, pa.decimal128(10, 0)))
-    version = pc.add(shifted, rows.column("_pos").cast(pa.decimal128(19, 0))).cast(VERSION_TYPE)
+    """Adds `_version` = naming.row_version(_lsn, _pos) as DECIMAL(38, 0), exact for any LSN.
+
+    Built as the decimal's two 64-bit words (little-endian, low word first): the LSN's low half
+    shifted above the position, then its high half. Decimal arithmetic in Arrow cost a small
+    batch six kernel calls, a tenth of its decoding."""
+    lsns = _numpy(rows.column("_lsn")).view(np.uint64)
+    positions = _numpy(rows.column("_pos")).view(np.uint64)
+    words = np.empty((len(lsns), 2), np.uint64)
+    words[:, 0] = (lsns << np.uint64(32)) | positions
+    words[:, 1] = lsns >> np.uint64(32)
+    version = pa.Array.from_buffers(VERSION_TYPE, len(lsns), [None, pa.py_buffer(words)])
     return rows.append_column(pa.field("_version", VERSION_TYPE), version)
 
 

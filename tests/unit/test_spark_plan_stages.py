@@ -22,7 +22,7 @@ from siphon_dagster.streaming.decode import (
     DecodeSpec,
     locate_changes,
 )
-from siphon_dagster.streaming.fold import latest_indices, merge_pieces
+from siphon_dagster.streaming.fold import latest_indices, merge_pieces, with_version
 from tests.unit.test_streaming_packages import NOTES, delete, insert, package, truncate, update
 
 SPEC = DecodeSpec(tuple(c.name for c in NOTES), ("id",))
@@ -148,6 +148,19 @@ def test_changes_up_to_the_last_truncate_are_dropped():
     folded = changes.take(latest_indices(changes, naming.row_version(11, 1)))
 
     assert sorted(folded.column("_lsn").to_pylist()) == [12, 13]
+
+
+def test_the_version_column_is_the_row_version_of_every_lsn_and_position():
+    # LSNs travel as int64 (the upper half of the range as negative numbers); positions below 2^32.
+    pairs = [(0, 0), (1, 0), (0, 1), (0x16B3748, 7), (2**32 - 1, 2**32 - 1), (2**32, 5), (2**63 - 1, 2**32 - 1),
+             (2**63, 3), (2**64 - 1, 2**32 - 1)]
+    as_int64 = [lsn - 2**64 if lsn >= 2**63 else lsn for lsn, _ in pairs]
+    rows = pa.table({"_lsn": pa.chunked_array([as_int64[:4], as_int64[4:]], pa.int64()),
+                     "_pos": pa.array([position for _, position in pairs], pa.int64())})
+
+    versions = with_version(rows).column("_version").to_pylist()
+
+    assert [int(v) for v in versions] == [naming.row_version(lsn, position) for lsn, position in pairs]
 
 
 @pytest.mark.parametrize("overlap", ["none", "some", "all"])
