@@ -280,11 +280,12 @@ class LocatedChanges:
         or those at `positions`) as binary."""
         rows = np.asarray(rows, np.int64)
         taken = self.changes.drop_columns(["_row"]).take(pa.array(rows))
-        taken = taken.append_column("_unchanged", self.located.unchanged(rows))
         wanted = range(self.located.column_count) if positions is None else positions
-        for position, values in zip(wanted, self.located.columns(wanted, rows), strict=True):
-            taken = taken.append_column(value_column(position), values)
-        return taken
+        # The table is made once: appending a wide table's columns one by one made a table each time.
+        added = [self.located.unchanged(rows), *self.located.columns(wanted, rows)]
+        names = ["_unchanged", *(value_column(position) for position in wanted)]
+        fields = [*taken.schema, *(pa.field(name, array.type) for name, array in zip(names, added, strict=True))]
+        return pa.Table.from_arrays([*taken.columns, *added], schema=pa.schema(fields))
 
 
 def locate_changes(parts: Sequence[pa.RecordBatch], spec: DecodeSpec) -> LocatedChanges:
