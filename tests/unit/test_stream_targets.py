@@ -157,6 +157,28 @@ def test_a_small_change_batch_goes_into_its_landing_on_one_thread_and_a_large_on
     assert all(settings["optimize_on_insert"] == 0 and table == "db.items_landing" for table, _, settings in inserted)
 
 
+def test_a_small_change_batch_carries_its_statement_in_its_body_and_a_large_one_in_the_url(monkeypatch) -> None:
+    # The driver puts the statement in front of a body given as bytes, and in the URL otherwise.
+    blocks: list[Any] = []
+
+    class InsertingClient(FakeClient):
+        def raw_insert(self, table: str, column_names: list[str], insert_block: Any, settings: dict[str, Any],
+                       fmt: str) -> None:
+            blocks.append(insert_block)
+
+    monkeypatch.setattr(ClickHouseTarget, "_open", lambda self, settings=None: InsertingClient(settings))
+    target = ClickHouseTarget(ClickHouseTargetConfig(url="http://127.0.0.1:1", database="db"))
+    names = target._names(ITEMS)  # noqa: SLF001
+    for value, rows in (("x", 10), ("y" * 100, 20_000)):
+        staged = pa.table({"c0": pa.array([value] * rows), "version": pa.array(["1"] * rows)})
+        target._insert_landing(names, "db.items_landing", staged)  # noqa: SLF001
+    small, large = blocks
+    assert isinstance(small, bytes) and len(small) <= clickhouse_module.INLINE_STATEMENT_MAX_BYTES
+    assert isinstance(large, memoryview) and large.nbytes > clickhouse_module.INLINE_STATEMENT_MAX_BYTES
+    for block in blocks:  # either way the whole Arrow stream
+        assert pa.ipc.open_stream(pa.py_buffer(block)).read_all().num_rows in (10, 20_000)
+
+
 class FakeSession:
     def __init__(self) -> None:
         self.closed = False
