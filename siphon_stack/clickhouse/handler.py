@@ -216,6 +216,14 @@ class ClickHouseHandler(BaseHTTPRequestHandler):
             return Statement(text, known, pieces)
         head, ended = _read_at_least(pieces, SQL_PREFIX_SIZE)
         text += head
+        # A driver that sends a small INSERT's statement in front of its rows ends the statement
+        # with a line break: its first line is then a whole INSERT, whose answer is remembered.
+        # Tokens never span a line break outside quotes and comments, and a line that ends inside
+        # either is no whole INSERT, so the answer is the one a scan of the body would give.
+        line_end = text.find(b"\n")
+        known = query_inline_insert(text[:line_end]) if line_end > 0 else None
+        if known is not None:
+            return Statement(text[: line_end + 1], known, chain([text[line_end + 1 :]], pieces))
         inline = find_inline_insert(text, complete=ended)
         if inline is None and not ended:
             text += b"".join(pieces)
