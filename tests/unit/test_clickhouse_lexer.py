@@ -41,7 +41,6 @@ def test_remembered_answers_stay_right_for_long_and_repeated_texts() -> None:
     assert output_format(b"SELECT 1 FORMAT CSV") == output_format(b"SELECT 1 FORMAT CSV") == "CSV"
 
 
-
 @pytest.mark.parametrize(("body", "taken"), [
     (b"INSERT INTO t (a, b) FORMAT ArrowStream\n\xff\x00\n\x01", True),   # the statement's own line
     (b"INSERT INTO t (`a\nb`) FORMAT CSV\n1", False),                     # a line break inside a quoted name
