@@ -10,7 +10,6 @@ The lifecycle is `sql_target.SqlTarget`'s; this module is ClickHouse's hooks.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -22,14 +21,13 @@ from urllib.parse import urlparse
 import clickhouse_connect
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
-from clickhouse_connect.driver.external import ExternalData
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from siphon_core.config import ClickHouseTargetConfig
 from siphon_core.logs import get_logger
 from siphon_core.redaction import redact_url
+from siphon_dagster.targets import clickhouse_batch
 from siphon_dagster.targets import clickhouse_sql as sql
 from siphon_dagster.targets.base import (
     SHADOW_SUFFIX,
@@ -41,7 +39,6 @@ from siphon_dagster.targets.base import (
     VersionCounts,
 )
 from siphon_dagster.targets.names import TableNames
-from siphon_dagster.targets.sql_dialect import staging_names
 from siphon_dagster.targets.sql_target import SqlTarget, StoredColumn
 from siphon_dagster.targets.thread_connections import ConnectionPerThread
 from siphon_dagster.targets.type_mapping import clickhouse_type
@@ -55,25 +52,25 @@ _SETTING_REFUSALS = ("UNKNOWN_SETTING", "SETTING_CONSTRAINT_VIOLATION", "READONL
 # block (optimize_on_insert) finds nothing to replace among one snapshot's rows, and costs about a
 # third of the snapshot's insert.
 # A NULL in a column that holds none (a NOT NULL source column) reads as the type's default,
-# as `insert_from_stage`'s conversion makes it.
+# as the type mapping's conversion (`ifNull`) makes it.
 SNAPSHOT_INSERT_SETTINGS = {"optimize_on_insert": 0, "input_format_null_as_default": 1}
-# A folded micro-batch holds each key once: the same holds for its inserts.
-# Batches up to this many bytes of Arrow data are sent as an external table of their statement.
-EXTERNAL_BATCH_MAX_BYTES = 4 << 20
-BATCH_INSERT_SETTINGS = {"optimize_on_insert": 0, "max_insert_threads": 2, "max_threads": 2}
+# A folded micro-batch holds each key once: the same holds for its inserts. A NULL in a column
+# that holds none becomes the type's default (`clickhouse_batch`), whatever the server's default.
+BATCH_INSERT_SETTINGS = {"optimize_on_insert": 0, "input_format_null_as_default": 1, "max_insert_threads": 2,
+                         "max_threads": 2}
 TABLE_ALREADY_EXISTS = 57  # ClickHouse's error code
-# A change batch of up to this many rows goes into its landing on one thread: its one block gains
-# nothing from a second, and handing it between two cost the embedded ClickHouse about 5% more CPU
-# per insert (200 tables, 10-row batches), which a run of hundreds of tables pays on every batch.
+# A change batch of up to this many rows is inserted on one thread: its one block gains nothing
+# from a second, and handing it between two cost the embedded ClickHouse about 5% more CPU per
+# insert (200 tables, 10-row batches), which a run of hundreds of tables pays on every batch.
 SMALL_BATCH_ROWS = 10_000
 SMALL_BATCH_INSERT_SETTINGS = {**BATCH_INSERT_SETTINGS, "max_insert_threads": 1, "max_threads": 1}
 # Up to this size a batch's insert carries its statement in front of the rows (one copy of them),
-# beyond it in the URL (`_insert_landing`).
+# beyond it in the URL (`_write_batch`).
 INLINE_STATEMENT_MAX_BYTES = 1 << 20
 
 
-def landing_insert_settings(rows: int) -> dict[str, int]:
-    """The settings of a change batch's insert into its landing table."""
+def batch_insert_settings(rows: int) -> dict[str, int]:
+    """The settings of a change batch's insert."""
     return SMALL_BATCH_INSERT_SETTINGS if rows <= SMALL_BATCH_ROWS else BATCH_INSERT_SETTINGS
 
 
@@ -93,8 +90,6 @@ class ClickHouseTarget(SqlTarget):
         self.database = config.database
         self.namespace = (config.database,)
         self._shared = shared  # the clients of the target this one is a sibling of
-        self._landings: set[str] = set()  # landing tables (with their views) ensured by this target
-        self._landing_names: tuple[TableNames, tuple[str, str, str]] | None = None  # `_landing_of`'s last
         self._sibling_clients: ConnectionPerThread | None = None  # the clients this target's siblings share
         # The database's table names when the first of a run's tables was made sure of, shared by
         # the siblings (`_created_or_stored`); None for a target of its own.
@@ -156,9 +151,8 @@ class ClickHouseTarget(SqlTarget):
         url = urlparse(self.config.url)
         return f"{url.scheme}://{url.hostname}{f':{url.port}' if url.port else ''} (database {self.database})"
 
-    def _run(self, statement: str, params: Any, settings: dict | None = None,
-             external_data: ExternalData | None = None) -> Any:
-        return self._connect().command(statement, parameters=params, settings=settings, external_data=external_data)
+    def _run(self, statement: str, params: Any, settings: dict | None = None) -> Any:
+        return self._connect().command(statement, parameters=params, settings=settings)
 
     def _query(self, statement: str, params: Any) -> list:
         return self._connect().query(statement, parameters=params).result_rows
@@ -272,13 +266,8 @@ class ClickHouseTarget(SqlTarget):
 
     # -- loads -----------------------------------------------------------------------------------
 
-    # -- the live table's landing ----------------------------------------------------------------
-
     def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
-        change = self._with_table_settings(lambda: super(ClickHouseTarget, self).ensure_table(table, backfill))
-        if not change.incompatible:
-            self._ensure_landing(self._names(table), new=change.created)
-        return change
+        return self._with_table_settings(lambda: super(ClickHouseTarget, self).ensure_table(table, backfill))
 
     def create_shadow(self, table: TableSchema) -> None:
         self._with_table_settings(lambda: super(ClickHouseTarget, self).create_shadow(table))
@@ -302,34 +291,9 @@ class ClickHouseTarget(SqlTarget):
                 for name in refused:
                     self.dialect.table_settings.pop(name, None)
 
-    def _landing_of(self, names: TableNames) -> tuple[str, str, str]:
-        """(bare name, landing table, its view) of the landing for the table's current columns: a
-        new column list gets a landing of its own, so a writer still on the old list keeps its own.
-        Kept for the table's last schema: building the definition to name it cost a tenth of a
-        stream write's time in the run."""
-        if self._landing_names is not None and self._landing_names[0] == names:
-            return self._landing_names[1]
-        definition = sql.landing_view("{view}", "{landing}", "{alias}", names.live, names.table)
-        fingerprint = hashlib.sha256(definition.encode()).hexdigest()[:12]
-        bare = f"{names.table_name}{sql.LANDING_INFIX}{fingerprint}"
-        landing = bare, names.qualified(bare), names.qualified(f"{bare}_view")
-        self._landing_names = (names, landing)
-        return landing
-
-    def _ensure_landing(self, names: TableNames, new: bool = False) -> None:
-        """`new`: the live table was made just now, so is its landing (both statements are
-        idempotent: a landing left over by a table dropped by hand is kept)."""
-        bare, landing, view = self._landing_of(names)
-        # The view is made after its landing and dropped before it (drop_table): a landing that
-        # exists always has its view, so an insert into it is never taken in and thrown away.
-        if new or not self._table_exists(names, f"{bare}_view"):
-            self._execute(names, "creating the landing table", sql.create_landing(landing, names.table))
-            self._execute(names, "creating the landing view", sql.landing_view(view, landing, bare, names.live,
-                                                                              names.table))
-        self._landings.add(landing)
-
     def drop_table(self, table: TableSchema) -> None:
         names = self._names(table)
+        # Landing tables and their views: how earlier versions inserted stream batches.
         landings = self._fetch(names, "listing landing tables",
                                "SELECT name FROM system.tables WHERE database = {db:String} AND startsWith(name, {p:String})"
                                " AND NOT endsWith(name, '_view')",
@@ -337,68 +301,39 @@ class ClickHouseTarget(SqlTarget):
         for (bare,) in landings:
             self._execute(names, "dropping a landing view", f"DROP VIEW IF EXISTS {names.qualified(bare + '_view')}")
             self._execute(names, "dropping a landing table", f"DROP TABLE IF EXISTS {names.qualified(bare)}")
-            self._landings.discard(names.qualified(bare))
         super().drop_table(table)
 
     # -- loads -----------------------------------------------------------------------------------
 
     def _write_batch(self, names: TableNames, rows: pa.Table, targets: Sequence[str]) -> None:
-        staged = _staged(names, rows)
-        landing = self._landing_of(names)[1]
-        if names.live in targets and landing in self._landings:
-            # The live table's rows go through its landing (any size, one insert); a resync's
-            # shadow still gets them first, the way below.
-            others = [target for target in targets if target != names.live]
-            if others:
-                self._write_other(names, staged, others)
-            self._insert_landing(names, landing, staged)
-            return
-        self._write_other(names, staged, targets)
-
-    def _insert_landing(self, names: TableNames, landing: str, staged: pa.Table) -> None:
-        self._statements += 1
+        """One insert of the batch's typed columns into each target (`clickhouse_batch`): the
+        statement names its columns, so a writer still on an older column list keeps writing
+        when another has added one."""
+        typed = clickhouse_batch.typed_batch(names.table, rows)
+        stream = _arrow_stream(typed)
         # A large batch goes out as the buffer it was written to: given bytes, the driver copies the
         # whole batch once more to put the statement in front of it. Given a buffer, it sends the
         # statement in the URL instead, which its HTTP library escapes character by character: for a
         # small batch of a wide table that took half the client's time of an insert (1.5 ms, 0.75 ms
-        # with the statement in the body), far more than copying a few kilobytes. The driver no
-        # longer sends a body again on a connection the server closed, so that is done here: a
-        # batch's rows carry their versions, and one applied twice changes nothing.
-        stream = _arrow_stream(staged)
+        # with the statement in the body), far more than copying a few kilobytes.
         body = stream.to_pybytes() if stream.size <= INLINE_STATEMENT_MAX_BYTES else memoryview(stream)
+        settings = batch_insert_settings(typed.num_rows)
+        self._write_each(names, targets, lambda target: self._insert_typed(names, target, typed.column_names, body,
+                                                                           settings))
+
+    def _insert_typed(self, names: TableNames, target: str, columns: list[str], body: bytes | memoryview,
+                      settings: dict[str, int]) -> None:
+        self._statements += 1
+        # The driver no longer sends a body again on a connection the server closed, so that is done
+        # here: a batch's rows carry their versions, and one applied twice changes nothing.
         try:
             for attempt in Retrying(retry=retry_if_exception_type(OperationalError), stop=stop_after_attempt(2),
                                     reraise=True):
                 with attempt:
-                    self._connect().raw_insert(landing, staged.column_names, insert_block=body,
-                                               settings=landing_insert_settings(staged.num_rows), fmt="ArrowStream")
+                    self._connect().raw_insert(target, columns, insert_block=body, settings=settings,
+                                               fmt="ArrowStream")
         except ClickHouseError as error:
-            self._landings.discard(landing)  # looked up again by the next ensure_table
-            raise TargetError(names.describe(f"applying a batch through {landing} failed: {error}")) from error
-
-    def _write_other(self, names: TableNames, staged: pa.Table, targets: Sequence[str]) -> None:
-        if staged.nbytes > EXTERNAL_BATCH_MAX_BYTES:
-            super()._write_batch(names, staged, targets)  # a staging table, filled by a streamed insert
-            return
-        # A small batch travels with its INSERT ... SELECT as an external table (ClickHouse's
-        # temporary table of one query): one request, where a staging table costs a CREATE, an
-        # insert and a DROP more, each a request and a change of the catalog. A large batch goes
-        # through a staging table: an external table arrives as a form, which a server reads whole.
-        batch = ExternalData(data=_arrow_stream(staged).to_pybytes(), file_name=sql.BATCH_TABLE, fmt="ArrowStream",
-                             structure=sql.dialect.stage_structure(names.table))
-        self._write_each(names, targets, lambda target: self._execute(
-            names, "applying a batch", sql.insert_from_stage(target, sql.quote(sql.BATCH_TABLE), names.table),
-            settings=BATCH_INSERT_SETTINGS, external_data=batch))
-
-    def _load_batch(self, names: TableNames, staging: str, rows: pa.Table) -> None:
-        try:
-            self._connect().insert_arrow(staging, rows)
-        except ClickHouseError as error:
-            raise TargetError(names.describe(f"staging {rows.num_rows} rows failed: {error}")) from error
-
-    def _apply_staged(self, names: TableNames, target: str, staging: str) -> None:
-        self._execute(names, "applying a batch", sql.insert_from_stage(target, staging, names.table),
-                      settings=BATCH_INSERT_SETTINGS)
+            raise TargetError(names.describe(f"applying a batch to {target} failed: {error}")) from error
 
     @contextmanager
     def _snapshot_stages(self, names: TableNames, targets: Sequence[str], version: int) -> Iterator[_SnapshotStages]:
@@ -517,17 +452,6 @@ def _widened(current: str, expected: str) -> str | None:
     if wanted not in _WIDER.get(stored, ()):
         return None
     return f"Nullable({wanted})" if nullable else wanted
-
-
-def _staged(names: TableNames, rows: pa.Table) -> pa.Table:
-    """A change batch under the staging names; the version travels as text (ClickHouse parses it
-    as UInt128)."""
-    width = len(names.table.columns)
-    return pa.table(
-        [rows.column(i) for i in range(width)]
-        + [pc.cast(rows.column(width), pa.string()), pc.cast(rows.column(width + 1), pa.uint8())],
-        names=staging_names(names.table),
-    )
 
 
 def _arrow_stream(table: pa.Table) -> pa.Buffer:

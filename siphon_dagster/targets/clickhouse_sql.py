@@ -22,7 +22,7 @@ from siphon_dagster.targets.base import (
 )
 from siphon_dagster.targets.clickhouse_digest import ClickHouseCheckStatements
 from siphon_dagster.targets.names import TableNames
-from siphon_dagster.targets.sql_dialect import STAGE_DELETED, STAGE_VERSION, Bindings, Statement, stage_column
+from siphon_dagster.targets.sql_dialect import Bindings, Statement
 from siphon_dagster.targets.type_mapping import TargetType, clickhouse_type, mapping_for
 
 NOW = "now64(6, 'UTC')"
@@ -187,7 +187,7 @@ class SnapshotInput:
 def snapshot_input(stage: str, table: TableSchema, version: int) -> SnapshotInput:
     """A field whose text ClickHouse's TabSeparated reads as its column's type (integers, text)
     is inserted into that column. Any other is inserted into an EPHEMERAL text column, from which
-    the stored column's DEFAULT converts it with `insert_from_stage`'s expression; Siphon's own
+    the stored column's DEFAULT converts it with the type mapping's `from_text`; Siphon's own
     columns default to the snapshot's version and now (the delete flag, whose
     DEFAULT ReplacingMergeTree does not let change, is 0 as a UInt8 without one).
 
@@ -239,38 +239,6 @@ def _converted(column: SourceColumn, operand: str) -> str:
     return f"ifNull({expression}, defaultValueOfTypeName('{escape_str(kind)}'))"
 
 
-# The external table a change batch is sent as, beside the statement that inserts it.
-BATCH_TABLE = "_siphon_batch"
-# `<schema>__<table>__landing_<fingerprint>`: where stream batches of the live table are inserted.
+# `<schema>__<table>__landing_<fingerprint>`: where earlier versions inserted stream batches of
+# the live table (a Null table and its materialized view); dropped with the table.
 LANDING_INFIX = "__landing_"
-
-
-def create_landing(landing: str, table: TableSchema) -> str:
-    """Where the stream inserts a change batch of the live table, as it is staged (the values as
-    text, version, delete flag): a Null table keeps nothing, its materialized view converts the
-    rows into the live table. One plain insert per batch, where an insert of an external table
-    costs the server a temporary table made and dropped around it."""
-    return f"CREATE TABLE IF NOT EXISTS {landing} ({dialect.stage_structure(table)}) ENGINE = Null"
-
-
-def landing_view(view: str, landing: str, alias: str, live: str, table: TableSchema) -> str:
-    """`insert_from_stage`'s conversion as the landing table's materialized view into the live table.
-    It names its target: a resync's EXCHANGE of the live table and its shadow leaves it writing to
-    the table that is live. The landing's columns are qualified by `alias` (a name no source column
-    has), since the view's aliases are the source's column names, which may be positional names."""
-    values = [f"{_converted(c, f'{quote(alias)}.{quote(stage_column(i))}')} AS {quote(c.name)}"
-              for i, c in enumerate(table.columns)]
-    values += [f"toUInt128({quote(alias)}.{quote(STAGE_VERSION)}) AS {quote(VERSION_COLUMN)}",
-               f"{quote(alias)}.{quote(STAGE_DELETED)} AS {quote(DELETED_COLUMN)}",
-               f"{NOW} AS {quote(SYNCED_AT_COLUMN)}"]
-    return (f"CREATE MATERIALIZED VIEW IF NOT EXISTS {view} TO {live} AS SELECT {', '.join(values)} "
-            f"FROM {landing} AS {quote(alias)}")
-
-
-def insert_from_stage(target: str, stage: str, table: TableSchema) -> str:
-    """Converts a staged batch's text into the table's types inside ClickHouse; each row carries
-    its own version and delete flag, and the table's version column applies the version rule."""
-    columns = [quote(c.name) for c in table.columns] + [quote(name) for name in dialect.meta_types]
-    values = [_converted(c, quote(stage_column(i))) for i, c in enumerate(table.columns)]
-    values += [f"toUInt128({quote(STAGE_VERSION)})", quote(STAGE_DELETED), NOW]
-    return f"INSERT INTO {target} ({', '.join(columns)}) SELECT {', '.join(values)} FROM {stage}"

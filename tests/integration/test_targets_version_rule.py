@@ -21,16 +21,14 @@ from siphon_core.config import parse_config
 from siphon_dagster.targets import build_target, clickhouse, snowflake
 from siphon_dagster.targets.base import SourceColumn, TableSchema, Target, TargetError, change_batch_schema
 
-TARGETS = ["clickhouse", "clickhouse_external", "clickhouse_staged", "snowflake", "snowflake_values", "snowflake_stage"]
+TARGETS = ["clickhouse", "clickhouse_buffer", "snowflake", "snowflake_values", "snowflake_stage"]
 # How each Snowflake variant loads a batch: `stage_min_rows` sends every batch one way (and
 # `snowflake` has the VALUES path turned off, see `make_target`).
 SNOWFLAKE_LOADS = {"snowflake": ("insert", 10**9), "snowflake_values": ("values", 10**9), "snowflake_stage": ("stage", 0)}
-# Statements of a ClickHouse change batch: the resync table's lookup and one insert into the live
-# table's landing (`clickhouse`). Without a landing (a resync's shadow table, a target that did not
-# ensure the table): one INSERT with the batch as its external table (`clickhouse_external`), or
-# through a staging table (every batch past EXTERNAL_BATCH_MAX_BYTES, here all of them) a CREATE and
-# a DROP more, Arrow inserts not counted (`clickhouse_staged`).
-CLICKHOUSE_BATCH_STATEMENTS = {"clickhouse": 2, "clickhouse_external": 2, "clickhouse_staged": 4}
+# Statements of a ClickHouse change batch: the resync table's lookup and one insert of the typed
+# batch, its statement in front of the rows (`clickhouse`) or, as a large batch's is, in the URL
+# (`clickhouse_buffer`: every batch goes that way).
+CLICKHOUSE_BATCH_STATEMENTS = {"clickhouse": 2, "clickhouse_buffer": 2}
 
 
 def target_settings(request: pytest.FixtureRequest, name: str, unique_name: str) -> dict:
@@ -75,10 +73,8 @@ def assert_load_path(target: Target, variant: str, snapshot: bool = False) -> No
 
 @pytest.fixture(params=TARGETS)
 def target(request: pytest.FixtureRequest, unique_name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
-    if request.param == "clickhouse_staged":
-        monkeypatch.setattr(clickhouse, "EXTERNAL_BATCH_MAX_BYTES", -1)
-    if request.param in ("clickhouse_external", "clickhouse_staged"):
-        monkeypatch.setattr(clickhouse.ClickHouseTarget, "_ensure_landing", lambda self, names, new=False: None)
+    if request.param == "clickhouse_buffer":
+        monkeypatch.setattr(clickhouse, "INLINE_STATEMENT_MAX_BYTES", -1)
     built = make_target(request, request.param, unique_name)
     yield built
     built.close()
@@ -530,11 +526,11 @@ def test_clickhouse_view_is_right_before_and_after_merges(request: pytest.Fixtur
     target.close()
 
 
-def test_clickhouse_landing_tables_follow_the_column_list_and_go_with_the_table(request: pytest.FixtureRequest,
-                                                                               unique_name: str) -> None:
-    """Stream batches reach the live table through a landing table of the batch's column list: a
-    writer still on the old list keeps its landing when another adds a column, a landing dropped
-    under a writer fails its insert (nothing is taken in and lost), and drop_table removes them."""
+def test_clickhouse_writers_on_two_column_lists_and_landings_of_earlier_versions(request: pytest.FixtureRequest,
+                                                                                  unique_name: str) -> None:
+    """A batch's insert names its columns: a writer still on the old column list keeps writing when
+    another has added one, and its rows read back with the new column NULL. A landing table and
+    view that an earlier version inserted through go with the table."""
     old_writer = make_target(request, "clickhouse", unique_name)
     new_writer = make_target(request, "clickhouse", unique_name)
     client = old_writer._connect()  # noqa: SLF001 - the landings are ClickHouse-specific
@@ -546,22 +542,18 @@ def test_clickhouse_landing_tables_follow_the_column_list_and_go_with_the_table(
 
     old_writer.ensure_table(NOTES)
     old_writer.apply_rows(NOTES, batch(NOTES, [row(1, "a", 1, 10)]))
-    assert len(landings()) == 2  # the landing and its view
+    assert landings() == []
     grown = TableSchema("public", "notes", (*NOTES.columns, SourceColumn("tags", 1009, "text[]")))
     new_writer.ensure_table(grown)
     new_writer.apply_rows(grown, batch(grown, [("2", "b", "2", "{x}", 11, False)]))
-    old_writer.apply_rows(NOTES, batch(NOTES, [row(3, "c", 3, 12)]))  # its landing is still there
-    assert len(landings()) == 4
+    old_writer.apply_rows(NOTES, batch(NOTES, [row(3, "c", 3, 12)]))
     assert old_writer.current_rows_as_text(grown) == [("1", "a", "1", None), ("2", "b", "2", "{x}"),
                                                        ("3", "c", "3", None)]
-    landing = new_writer._landing_of(new_writer._names(grown))[0]  # noqa: SLF001
-    client.command(f"DROP VIEW `{unique_name}`.`{landing}_view`")
-    client.command(f"DROP TABLE `{unique_name}`.`{landing}`")
-    with pytest.raises(TargetError, match="landing"):
-        new_writer.apply_rows(grown, batch(grown, [("4", "d", "4", None, 13, False)]))
-    new_writer.ensure_table(grown)
-    new_writer.apply_rows(grown, batch(grown, [("4", "d", "4", None, 13, False)]))
-    assert ("4", "d", "4", None) in new_writer.current_rows_as_text(grown)
+    legacy = f"`{unique_name}`.`public__notes__landing_0123456789ab`"
+    client.command(f"CREATE TABLE {legacy} (c0 Nullable(String)) ENGINE = Null")
+    client.command(f"CREATE MATERIALIZED VIEW `{unique_name}`.`public__notes__landing_0123456789ab_view` "
+                   f"TO `{unique_name}`.`public__notes` AS SELECT toInt64(c0) AS id FROM {legacy}")
+    assert len(landings()) == 2
     new_writer.drop_table(grown)
     assert landings() == []
     old_writer.close()

@@ -277,7 +277,15 @@ def test_random_floats_round_trip(postgres_dsn: str, target: Target, variant: st
     target.ensure_table(table)
     target.apply_copy_text(table, iter(source.copy_chunks()), version=1)
     assert_load_path(target, variant, snapshot=True)
-    assert_same_text(table, target.current_rows_as_text(table), source.text_rows())
+    expected = source.text_rows()
+    assert_same_text(table, target.current_rows_as_text(table), expected)
+    # The same values again as a change batch, a newer version of every row: the stream's conversion.
+    schema = change_batch_schema(table)
+    arrays = [pa.array(list(values), pa.string()) for values in zip(*expected, strict=True)]
+    arrays += [pa.array([2] * len(expected), schema.field(len(arrays)).type), pa.array([False] * len(expected))]
+    target.apply_rows(table, pa.Table.from_arrays(arrays, schema=schema))
+    assert target.max_version(table) == 2
+    assert_same_text(table, target.current_rows_as_text(table), expected)
     source.connection.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(unique_name)))
     source.connection.close()
 

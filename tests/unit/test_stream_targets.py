@@ -32,6 +32,12 @@ def batch(key: int) -> pa.Table:
                                  pa.array([False])], schema=change_batch_schema(ITEMS))
 
 
+def batch_of(rows: int, label: str = "x") -> pa.Table:
+    return pa.Table.from_arrays([pa.array([str(i) for i in range(rows)]), pa.array([label] * rows),
+                                 pa.array(range(rows), pa.decimal128(38, 0)), pa.array([False] * rows)],
+                                schema=change_batch_schema(ITEMS))
+
+
 class RecordingClickHouse(ClickHouseTarget):
     """A ClickHouse target whose statements are recorded instead of sent; the shadow exists when
     `shadow` says so."""
@@ -137,7 +143,7 @@ def test_siblings_share_one_client_per_thread_and_the_first_target_closes_them(m
     assert all(c.closed for c in opened)
 
 
-def test_a_small_change_batch_goes_into_its_landing_on_one_thread_and_a_large_one_on_two(monkeypatch) -> None:
+def test_a_small_change_batch_is_inserted_on_one_thread_and_a_large_one_on_two(monkeypatch) -> None:
     inserted: list[tuple[str, int, dict[str, Any]]] = []
 
     class InsertingClient(FakeClient):
@@ -150,11 +156,11 @@ def test_a_small_change_batch_goes_into_its_landing_on_one_thread_and_a_large_on
     names = target._names(ITEMS)  # noqa: SLF001
     small = clickhouse_module.SMALL_BATCH_ROWS
     for rows in (1, small, small + 1):
-        staged = pa.table({"c0": pa.array(["x"] * rows), "version": pa.array(["1"] * rows)})
-        target._insert_landing(names, "db.items_landing", staged)  # noqa: SLF001
+        target._write_batch(names, batch_of(rows), [names.live])  # noqa: SLF001
     assert [settings["max_threads"] for _, _, settings in inserted] == [1, 1, 2]
     assert [settings["max_insert_threads"] for _, _, settings in inserted] == [1, 1, 2]
-    assert all(settings["optimize_on_insert"] == 0 and table == "db.items_landing" for table, _, settings in inserted)
+    assert all(settings["optimize_on_insert"] == 0 and settings["input_format_null_as_default"] == 1
+               and table == names.live for table, _, settings in inserted)
 
 
 def test_a_small_change_batch_carries_its_statement_in_its_body_and_a_large_one_in_the_url(monkeypatch) -> None:
@@ -170,8 +176,7 @@ def test_a_small_change_batch_carries_its_statement_in_its_body_and_a_large_one_
     target = ClickHouseTarget(ClickHouseTargetConfig(url="http://127.0.0.1:1", database="db"))
     names = target._names(ITEMS)  # noqa: SLF001
     for value, rows in (("x", 10), ("y" * 100, 20_000)):
-        staged = pa.table({"c0": pa.array([value] * rows), "version": pa.array(["1"] * rows)})
-        target._insert_landing(names, "db.items_landing", staged)  # noqa: SLF001
+        target._write_batch(names, batch_of(rows, value), [names.live])  # noqa: SLF001
     small, large = blocks
     assert isinstance(small, bytes) and len(small) <= clickhouse_module.INLINE_STATEMENT_MAX_BYTES
     assert isinstance(large, memoryview) and large.nbytes > clickhouse_module.INLINE_STATEMENT_MAX_BYTES
