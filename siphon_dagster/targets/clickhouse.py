@@ -91,6 +91,8 @@ class ClickHouseTarget(SqlTarget):
         self.namespace = (config.database,)
         self._shared = shared  # the clients of the target this one is a sibling of
         self._sibling_clients: ConnectionPerThread | None = None  # the clients this target's siblings share
+        # The conversions of the last table written (a run's target serves one table).
+        self._batch_plan: clickhouse_batch.BatchPlan | None = None
         # The database's table names when the first of a run's tables was made sure of, shared by
         # the siblings (`_created_or_stored`); None for a target of its own.
         self._tables_at_start: TablesAtStart | None = None
@@ -309,7 +311,10 @@ class ClickHouseTarget(SqlTarget):
         """One insert of the batch's typed columns into each target (`clickhouse_batch`): the
         statement names its columns, so a writer still on an older column list keeps writing
         when another has added one."""
-        typed = clickhouse_batch.typed_batch(names.table, rows)
+        plan = self._batch_plan
+        if plan is None or (plan.table is not names.table and plan.table != names.table):
+            plan = self._batch_plan = clickhouse_batch.plan_for(names.table)
+        typed = plan.typed(rows)
         stream = _arrow_stream(typed)
         # A large batch goes out as the buffer it was written to: given bytes, the driver copies the
         # whole batch once more to put the statement in front of it. Given a buffer, it sends the

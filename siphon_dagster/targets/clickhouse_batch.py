@@ -20,9 +20,9 @@ as the SQL's `ifNull(..., defaultValueOfTypeName(...))` makes it: ClickHouse's
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,11 @@ Conversion = Callable[[Values], Values]
 
 NIL_UUID = "00000000-0000-0000-0000-000000000000"
 SYNCED_AT_TYPE = pa.timestamp("us", tz="UTC")
+# Arrow's compute functions called as objects with options made once: through `pc.cast` and
+# `pc.equal` each call cost twice as much, which a wide table's batch paid some twenty times.
+_CAST = pc.get_function("cast")
+_EQUAL = pc.get_function("equal")
+_TRUE_TEXT = pa.scalar("t")
 
 
 def _as_is(values: Values) -> Values:
@@ -50,11 +55,12 @@ def _as_is(values: Values) -> Values:
 
 
 def _boolean(values: Values) -> Values:
-    return pc.equal(values, "t")
+    return _EQUAL.call([values, _TRUE_TEXT])
 
 
 def _cast(arrow_type: pa.DataType) -> Conversion:
-    return lambda values: pc.cast(values, arrow_type)
+    options = pc.CastOptions.safe(arrow_type)
+    return lambda values: _CAST.call([values], options)
 
 
 def _hex_bytes(values: Values) -> Values:
@@ -96,34 +102,39 @@ def conversion_for(column: SourceColumn) -> Conversion:
         raise TargetError(f"column {column.name!r} ({column.type_name}): no batch conversion to ClickHouse {kind}") from None
 
 
-@functools.lru_cache(maxsize=4096)
-def _conversions(table: TableSchema) -> tuple[Conversion, ...]:
-    # Asked for every batch: a table's column list changes seldom.
-    return tuple(conversion_for(column) for column in table.columns)
+@dataclass(frozen=True, eq=False)
+class BatchPlan:
+    """How a table's change batches become its typed ClickHouse columns (`typed`); made once per
+    column list."""
+
+    table: TableSchema
+    conversions: tuple[Conversion, ...]
+    columns: tuple[str, ...]  # what the typed batch fills, in its order
+
+    def typed(self, rows: pa.Table, synced_at_us: int | None = None) -> pa.Table:
+        """`rows` (`change_batch_schema(table)`) as the table's ClickHouse columns. The version
+        goes as its digits (ClickHouse reads them into UInt128, which Arrow has no type for);
+        `_siphon_synced_at` is when the batch was made, by this process's clock."""
+        columns: list[Values] = []
+        for i, convert in enumerate(self.conversions):
+            try:
+                columns.append(convert(rows.column(i)))
+            except (pa.ArrowInvalid, ValueError) as error:
+                column = self.table.columns[i]
+                raise TargetError(f"{self.table.schema}.{self.table.table}: column {column.name!r} "
+                                  f"({column.type_name}) holds a value ClickHouse's type does not take: {error}") from error
+        width = len(self.conversions)
+        columns.append(_VERSION_DIGITS(rows.column(width)))
+        columns.append(_FLAG(rows.column(width + 1)))
+        stamp = time.time_ns() // 1000 if synced_at_us is None else synced_at_us
+        columns.append(pa.array(np.full(rows.num_rows, stamp, dtype=np.int64), SYNCED_AT_TYPE))
+        return pa.table(columns, names=self.columns)
 
 
-@functools.lru_cache(maxsize=4096)
-def insert_columns(table: TableSchema) -> tuple[str, ...]:
-    """The columns a typed batch fills, in its order."""
-    return (*table.column_names, VERSION_COLUMN, DELETED_COLUMN, SYNCED_AT_COLUMN)
+_VERSION_DIGITS = _cast(pa.string())
+_FLAG = _cast(pa.uint8())
 
 
-def typed_batch(table: TableSchema, rows: pa.Table, synced_at_us: int | None = None) -> pa.Table:
-    """`rows` (`change_batch_schema(table)`) as the table's ClickHouse columns, `insert_columns`.
-    The version goes as its digits (ClickHouse reads them into UInt128, which Arrow has no type
-    for); `_siphon_synced_at` is when the batch was made, by this process's clock."""
-    conversions = _conversions(table)
-    columns: list[Values] = []
-    for i, convert in enumerate(conversions):
-        try:
-            columns.append(convert(rows.column(i)))
-        except (pa.ArrowInvalid, ValueError) as error:
-            column = table.columns[i]
-            raise TargetError(f"{table.schema}.{table.table}: column {column.name!r} ({column.type_name}) "
-                              f"holds a value ClickHouse's type does not take: {error}") from error
-    width = len(conversions)
-    columns.append(pc.cast(rows.column(width), pa.string()))
-    columns.append(pc.cast(rows.column(width + 1), pa.uint8()))
-    stamp = time.time_ns() // 1000 if synced_at_us is None else synced_at_us
-    columns.append(pa.array(np.full(rows.num_rows, stamp, dtype=np.int64), SYNCED_AT_TYPE))
-    return pa.table(columns, names=list(insert_columns(table)))
+def plan_for(table: TableSchema) -> BatchPlan:
+    return BatchPlan(table, tuple(conversion_for(column) for column in table.columns),
+                     (*table.column_names, VERSION_COLUMN, DELETED_COLUMN, SYNCED_AT_COLUMN))

@@ -48,7 +48,7 @@ def test_the_text_becomes_typed_columns_with_the_meta_columns_last() -> None:
          "NaN", "4294967295", 2**100, False),
         ("2", None, None, "-Infinity", "NaN", None, None, "\\x", None, None, 7, True),
     )
-    typed = clickhouse_batch.typed_batch(TABLE, rows, synced_at_us=1_700_000_000_000_000)
+    typed = clickhouse_batch.plan_for(TABLE).typed(rows, synced_at_us=1_700_000_000_000_000)
     assert typed.column_names == [*TABLE.column_names, "_siphon_version", "_siphon_deleted", "_siphon_synced_at"]
     data = typed.to_pydict()
     assert data["id"] == [1, 2]
@@ -72,4 +72,4 @@ def test_the_text_becomes_typed_columns_with_the_meta_columns_last() -> None:
 def test_a_value_the_type_does_not_take_names_the_table_and_column() -> None:
     rows = change_batch(("1", "t", "70000", None, None, clickhouse_batch.NIL_UUID, None, None, None, None, 1, False))
     with pytest.raises(TargetError, match=r"public\.Odd Table: column 'small' \(smallint\)"):
-        clickhouse_batch.typed_batch(TABLE, rows)
+        clickhouse_batch.plan_for(TABLE).typed(rows)
