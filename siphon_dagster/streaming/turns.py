@@ -9,7 +9,7 @@ second and third batches of the tables set up before them (500 tables: the last 
 after the first).
 
 First batches may also have turns of their own (`first_extra`), which no later batch takes. A
-first batch waits on more than the target's write (the table and its landing are created, the
+first batch waits on more than the target's write (the table and its view are created, the
 source's catalog is read, its first event is recorded), so more of them at once keep the machine
 busier while a run starts, and the turns of the tables already streaming stay as many as the
 target is best written with.
