@@ -266,7 +266,7 @@ class ClickHouseTarget(SqlTarget):
         )
         return VersionCounts(below, above, tombstones)
 
-    # -- loads -----------------------------------------------------------------------------------
+    # -- tables ----------------------------------------------------------------------------------
 
     def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
         return self._with_table_settings(lambda: super(ClickHouseTarget, self).ensure_table(table, backfill))
