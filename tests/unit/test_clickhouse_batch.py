@@ -34,12 +34,17 @@ def change_batch(*rows: tuple) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=change_batch_schema(TABLE))
 
 
-def test_every_type_of_the_mapping_has_a_conversion() -> None:
-    for oid in BY_OID:
-        clickhouse_batch.conversion_for(SourceColumn("c", oid, "t"))
-    for category in "AERC":
-        clickhouse_batch.conversion_for(SourceColumn("c", 999_999, "t", category=category))
-    clickhouse_batch.conversion_for(SourceColumn("c", 999_999, "positive_int", element_type_oid=23))
+def test_every_type_of_the_mapping_has_a_conversion_that_keeps_null(monkeypatch: pytest.MonkeyPatch) -> None:
+    columns = [SourceColumn("c", oid, "t") for oid in BY_OID]
+    columns += [SourceColumn("c", 999_999, "t", category=category) for category in "AERC"]
+    columns.append(SourceColumn("c", 999_999, "positive_int", element_type_oid=23))
+    for column in columns:
+        converted = clickhouse_batch.conversion_for(column)(pa.chunked_array([pa.array([None, "1"], pa.string())]))
+        assert converted.null_count == 1 and len(converted) == 2, column
+    # A ClickHouse type without a conversion is refused, naming the column.
+    monkeypatch.delitem(clickhouse_batch._CONVERSIONS, "Int32")  # noqa: SLF001
+    with pytest.raises(TargetError, match=r"column 'c' \(t\): no batch conversion to ClickHouse Int32"):
+        clickhouse_batch.conversion_for(SourceColumn("c", 23, "t"))
 
 
 def test_the_text_becomes_typed_columns_with_the_meta_columns_last() -> None:
