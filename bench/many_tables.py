@@ -446,8 +446,7 @@ class Faults:
         return producer
 
 
-JOB_QUERY = ("query ($job: String!) { pipelineOrError(params: {repositoryLocationName: \"siphon_dagster\", "
-             "repositoryName: \"__repository__\", pipelineName: $job}) { __typename } }")
+ASSET_QUERY = "query ($path: [String!]!) { assetNodeOrError(assetKey: {path: $path}) { __typename } }"
 
 
 class TableChange:
@@ -519,16 +518,17 @@ class TableChange:
         return (self.removed or "").split(".", 1)[-1]
 
     def _webserver_knows(self, schema: str, table: str) -> bool:
-        """Whether the webserver's definitions have the table's resync job."""
+        """Whether the webserver's definitions have the table's target asset."""
+        path = naming.asset_key_path("clickhouse", schema, table)
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/graphql", method="POST", headers={"Content-Type": "application/json"},
-            data=json.dumps({"query": JOB_QUERY, "variables": {"job": naming.resync_job_name(schema, table)}}).encode())
+            data=json.dumps({"query": ASSET_QUERY, "variables": {"path": path}}).encode())
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 answer = json.loads(response.read())
         except OSError:
             return False
-        return (answer.get("data") or {}).get("pipelineOrError", {}).get("__typename") == "Pipeline"
+        return (answer.get("data") or {}).get("assetNodeOrError", {}).get("__typename") == "AssetNode"
 
     def finish(self, timeout: float) -> None:
         """Waits for the reload and the snapshot command; records how they ended."""

@@ -174,7 +174,7 @@ class SlotGuard:
         self.metrics.slot_gaps.labels(reason=resumed.reason).inc()
         log.error("gap recorded: changes between the lost slot's last confirmed position and the new slot's "
                   "consistent point were not streamed; every table must be rebuilt (the Dagster gap sensor "
-                  "requests the resync_<table> jobs)", slot=self.slot, reason=resumed.reason,
+                  "requests a resync of each)", slot=self.slot, reason=resumed.reason,
                   last_confirmed_lsn=resumed.last_confirmed_lsn or "unknown",
                   last_streamed_lsn=resumed.last_streamed_lsn or "unknown",
                   consistent_point=resumed.consistent_point, subject=self.subject, sequence=sequence)
@@ -227,8 +227,8 @@ class SlotGuard:
             "the queue. producer.on_slot_lost is 'stop', so nothing was changed. To go on, start the producer "
             f"once with `siphon-producer run --config {config} --accept-slot-loss`: it records the gap on "
             f"{self.subject}, creates a new slot and streams from its consistent point. Then every table must be "
-            f"rebuilt: the Dagster sensor {naming.gap_sensor_name(self.application_identifier)} requests the jobs "
-            f"{jobs} by itself (or run them, "
+            f"rebuilt: the Dagster sensor {naming.gap_sensor_name(self.application_identifier)} requests a resync "
+            f"of each by itself (or run the jobs {jobs}, "
             "e.g. `dagster job execute -m siphon_dagster -j <job>`). Rebuild only after the new slot exists: "
             "a rebuild taken before it would miss the changes in between."
         )

@@ -1,15 +1,16 @@
-"""What Dagster loads from `siphon_dagster`: the definitions, with each table's by-hand stream job
-found by its name but left out of the listings, and every stream job built alone when a run's
-worker asks for it.
+"""What Dagster loads from `siphon_dagster`: the definitions, with each table's by-hand jobs found
+by their name but left out of the listings, and every stream job built alone when a run's worker
+asks for it.
 
 Dagster's daemon fetches the snapshot of every job of a code location every minute, one request
 per job, and the webserver and the daemon read all of them when they start. The single-table jobs
-(`stream_<target>_<table>`) are there for draining one table by hand (`dagster job execute -j
-stream_<target>_<table>`): the streaming sensor runs the group jobs. Listed, they were as many
-jobs as the tables times the targets, half of a code location's jobs with one target and two
-thirds with two. Now such a job is built when it is asked for by name (the CLI, a run's worker),
-from the same resources and executor as the rest; the UI lists the jobs the sensors and operators
-launch from it.
+are there for draining or rebuilding one table by hand (`dagster job execute -j
+stream_<target>_<table>`, `-j resync_<table>`): the streaming sensor runs the group jobs, and the
+sensors and the UI rebuild a table through `<group>_resync` (`resync_requests`). Listed, the
+stream jobs were as many jobs as the tables times the targets, half of a code location's jobs with
+one target and two thirds with two, and the resync jobs 4.6 of the 5.6 MB of job snapshots left at
+200 tables. Now such a job is built when it is asked for by name (the CLI, a run's worker); the UI
+lists the jobs the sensors and operators launch from it.
 
 A run's worker loads the code location anew and asks it for its one job. Building the listing
 (every table's assets, checks and resync job) for that took a streaming run of 500 tables 3.6 s

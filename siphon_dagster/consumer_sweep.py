@@ -9,7 +9,7 @@ has been idle for a while.
 
 A table added again has missed the changes committed while it was not published: its stream
 alone cannot bring it back. The sensor remembers the tables it recorded as removed (its cursor),
-and requests the `resync_<table>` job of one that is configured again, which rebuilds it.
+and requests a resync of one that is configured again, which rebuilds it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from nats.js.api import ConsumerInfo
 
 from siphon_core import naming
 from siphon_core.config import TARGET_NAMES
+from siphon_dagster.resync_requests import ResyncRequests
+from siphon_dagster.specs import TableSpec
 
 # Metadata of the observation a removed consumer leaves on its target asset.
 UNREPLICATED_METADATA = "siphon/unreplicated"
@@ -118,28 +120,27 @@ def plan_sweep(consumers: Iterable[TableConsumer], configured: Collection[tuple[
 
 
 def removal_record(consumer: TableConsumer) -> dg.AssetObservation:
-    job = naming.resync_job_name(consumer.schema, consumer.table)
     return dg.AssetObservation(
         asset_key=consumer.asset_key,
         description=(f"{consumer.qualified_name} is no longer replicated to {consumer.target}; the table at the "
                      f"target is kept as it is. Its queue consumer {consumer.name} (acked up to stream sequence "
                      f"{consumer.acked_sequence}, {consumer.pending} messages not applied) is removed once idle. "
-                     f"Added again, the table is rebuilt ({job}): changes made meanwhile never reach the queue"),
+                     "Added again, the table is rebuilt (a resync): changes made meanwhile never reach the queue"),
         metadata={UNREPLICATED_METADATA: True, "consumer": consumer.name,
                   "acked_stream_sequence": consumer.acked_sequence, "pending_messages": consumer.pending})
 
 
-def added_again(target: str, schema: str, table: str, removed_at: float,
-                resync_job: str) -> tuple[dg.RunRequest, dg.AssetObservation]:
+def added_again(target: str, spec: TableSpec, removed_at: float,
+                resyncs: ResyncRequests) -> tuple[dg.RunRequest, dg.AssetObservation]:
     """The resync run of a table replicated again after it was removed, and its record."""
-    name = table_id(target, f"{schema}.{table}")
-    request = dg.RunRequest(job_name=resync_job, run_key=f"added-again-{name}-{removed_at:.0f}",
-                            tags={READDED_TAG: name})
+    name = table_id(target, spec.qualified_name)
+    request = resyncs.request(spec, run_key=f"added-again-{name}-{removed_at:.0f}", tags={READDED_TAG: name})
+    job = resyncs.describe(spec)
     record = dg.AssetObservation(
-        asset_key=dg.AssetKey(naming.asset_key_path(target, schema, table)),
-        description=(f"{schema}.{table} is replicated to {target} again after it was removed: {resync_job} "
+        asset_key=spec.target_key(target),
+        description=(f"{spec.qualified_name} is replicated to {target} again after it was removed: {job} "
                      "requested to rebuild it, as changes made meanwhile never reached the queue"),
-        metadata={READDED_METADATA: True, "removed_at": removed_at, "action": f"resync requested: {resync_job}"})
+        metadata={READDED_METADATA: True, "removed_at": removed_at, "action": f"resync requested: {job}"})
     return request, record
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 
 import dagster as dg
 
@@ -28,7 +28,8 @@ from siphon_dagster.resources import (
     SnowflakeResource,
     SparkResource,
 )
-from siphon_dagster.resync import build_resync_job
+from siphon_dagster.resync import build_resync_job, build_tables_resync_job
+from siphon_dagster.resync_requests import ResyncRequests
 from siphon_dagster.sensors import build_partitions_sensor, build_streaming_sensor
 from siphon_dagster.snapshot_sensor import build_snapshot_sensor
 from siphon_dagster.specs import group_name, table_specs
@@ -78,26 +79,29 @@ EXECUTOR = dg.in_process_executor.configured({}, name="in_process")
 
 def build_definitions(config: SiphonConfig, config_path: str | None = None,
                       resources: dict[str, dg.ResourceDefinition] | None = None,
-                      table_stream_jobs: bool = True) -> dg.Definitions:
+                      table_jobs: bool = True) -> dg.Definitions:
     """`config_path`: the file `config` was loaded from, which the streaming sensor watches for
     changes this code location cannot serve until it is reloaded. `resources`: as
-    `bound_resources` makes them (by default from `config`). `table_stream_jobs`: whether the
-    single-table stream jobs are among the jobs."""
+    `bound_resources` makes them (by default from `config`). `table_jobs`: whether the
+    single-table jobs (`stream_<target>_<table>`, `resync_<table>`) are among the jobs."""
     specs = table_specs(config)
     assets: list[object] = []
     for spec in specs:
         assets.append(build_source_asset(spec))
         assets.extend(build_target_asset(spec, target) for target in spec.targets)
     group = group_name(config.application_identifier)
-    # Single-table jobs stay for draining a table by hand; the sensor runs the group jobs.
-    stream_jobs = [build_stream_job(spec, target) for spec in specs for target in spec.targets] if table_stream_jobs else []
+    # Single-table jobs stay for draining or rebuilding a table by hand; the sensors run the group
+    # jobs and `<group>_resync`.
+    stream_jobs = [build_stream_job(spec, target) for spec in specs for target in spec.targets] if table_jobs else []
     groups = stream_groups(config, specs)
     group_jobs = {stream_group.key: build_group_stream_job(stream_group) for stream_group in groups}
-    # Resync jobs: `resync_<table>` rebuilds a table at its targets (siphon_dagster.resync); the gap
-    # sensor requests them all after a lost slot.
+    # Resync jobs (siphon_dagster.resync): `<group>_resync` rebuilds the table its run config names,
+    # `resync_<table>` that one table; the gap sensor requests a rebuild of every table after a lost slot.
     built: list[dg.Definitions] = []  # the checks run through the definitions being built here
-    resync_job_list = [build_resync_job(spec, checks_after=_checks_after_resync(built, group)) for spec in specs]
-    resync_jobs = {spec.qualified_name: job for spec, job in zip(specs, resync_job_list, strict=True)}
+    checks_after = _checks_after_resync(built, group)
+    tables_resync = build_tables_resync_job(specs, group, checks_after=checks_after)
+    resyncs = ResyncRequests.of(tables_resync, specs)
+    table_resync_jobs = [build_resync_job(spec, checks_after=checks_after) for spec in specs] if table_jobs else []
     # Checks on every target asset, their job and schedule (siphon_dagster.checks).
     asset_checks = build_asset_checks(specs, config)
     checks_job = build_checks_job(group, asset_checks)
@@ -105,14 +109,14 @@ def build_definitions(config: SiphonConfig, config_path: str | None = None,
         assets=assets,
         asset_checks=asset_checks,
         schedules=[build_checks_schedule(group, checks_job, config)],
-        jobs=[*stream_jobs, *group_jobs.values(), *resync_job_list, checks_job],
+        jobs=[*stream_jobs, *group_jobs.values(), tables_resync, *table_resync_jobs, checks_job],
         sensors=[
             build_partitions_sensor(specs, group),
             build_streaming_sensor(groups, group, group_jobs, config.streaming.max_failures_before_backoff,
                                    drift=ConfigDrift(config_path, config) if config_path else None,
                                    reloader=LocationReloader() if config.streaming.reload_location_on_change else None,
-                                   resync_jobs=resync_jobs),
-            build_gap_sensor(specs, group, resync_jobs),
+                                   resyncs=resyncs),
+            build_gap_sensor(specs, group, resyncs),
             # New tables load, failed snapshot partitions run again, each table's state on its asset.
             build_snapshot_sensor(specs, group, config.snapshots, target_check_keys([*assets, *asset_checks])),
         ],
@@ -170,10 +174,14 @@ def build_code_location(config: SiphonConfig, config_path: str | None = None) ->
         return resolved
 
     specs = table_specs(config)
+    with_table_jobs = cache(lambda: build_definitions(config, config_path, resources=resources))
     single = {spec.stream_job_name(target): alone(partial(build_stream_job, spec, target)) for spec in specs
               for target in spec.targets}
+    # A resync ends with the table's checks, which run through the definitions it is part of.
+    single.update({spec.resync_job_name: partial(lambda name: with_table_jobs().resolve_job_def(name),
+                                                 spec.resync_job_name) for spec in specs})
     groups = {group.job_name: alone(partial(build_group_stream_job, group)) for group in stream_groups(config, specs)}
-    return with_jobs_by_name(lambda: build_definitions(config, config_path, resources=resources, table_stream_jobs=False),
+    return with_jobs_by_name(lambda: build_definitions(config, config_path, resources=resources, table_jobs=False),
                              {**groups, **single}, unlisted=list(single))
 
 

@@ -3,9 +3,9 @@
 The producer records a lost slot on the application's gap subject (`siphon_core.gaps`). For each
 new `resumed` record (a new slot exists; changes after its consistent point are in the queue, the
 ones before it since the lost slot's last position are not), the sensor records an observation on
-every target asset, so the asset's history shows the gap, and requests the `resync_<table>` job of
-every table: a resync's snapshots are taken after the new slot existed, so with the stream they
-hold every change again.
+every target asset, so the asset's history shows the gap, and requests a resync of every table (a
+run of `<group>_resync` each): a resync's snapshots are taken after the new slot existed, so with
+the stream they hold every change again.
 
 The cursor is the last stream sequence handled. A sensor without a cursor (a new instance, or a
 reset) starts after the newest gap the instance already observed on a target asset, so an old gap
@@ -15,13 +15,13 @@ is never rebuilt again; run keys make a repeated request a no-op as well.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 
 import dagster as dg
 
 from siphon_core import naming
 from siphon_core.gaps import LOST, RESUMED, GapRecordError, SlotGap
 from siphon_dagster.resources import NatsResource
+from siphon_dagster.resync_requests import ResyncRequests
 from siphon_dagster.specs import TableSpec
 
 GAP_TAG = "siphon/gap"
@@ -30,12 +30,12 @@ _OBSERVATIONS_SCANNED = 20
 
 
 def gap_observations(specs: list[TableSpec], sequence: int, gap: SlotGap,
-                     resync_jobs: Mapping[str, dg.JobDefinition]) -> list[dg.AssetObservation]:
+                     resyncs: ResyncRequests) -> list[dg.AssetObservation]:
     """One observation per target asset: what was lost and what is being done about it."""
     since = gap.last_streamed_lsn or gap.last_confirmed_lsn or "the lost slot's last confirmed position (unknown)"
     observations = []
     for spec in specs:
-        job = resync_jobs[spec.qualified_name].name
+        job = resyncs.describe(spec)
         for target in spec.targets:
             observations.append(dg.AssetObservation(
                 asset_key=spec.target_key(target),
@@ -57,11 +57,8 @@ def gap_observations(specs: list[TableSpec], sequence: int, gap: SlotGap,
     return observations
 
 
-def resync_requests(specs: list[TableSpec], sequence: int,
-                    resync_jobs: Mapping[str, dg.JobDefinition]) -> list[dg.RunRequest]:
-    return [dg.RunRequest(job_name=resync_jobs[spec.qualified_name].name,
-                          run_key=f"slot-gap-{sequence}-{resync_jobs[spec.qualified_name].name}",
-                          tags={GAP_TAG: str(sequence)})
+def resync_requests(specs: list[TableSpec], sequence: int, resyncs: ResyncRequests) -> list[dg.RunRequest]:
+    return [resyncs.request(spec, run_key=f"slot-gap-{sequence}-{spec.resync_job_name}", tags={GAP_TAG: str(sequence)})
             for spec in specs]
 
 
@@ -93,15 +90,13 @@ def read_gap_records(resource: NatsResource, after: int) -> list[tuple[int, byte
     return asyncio.run(asyncio.wait_for(fetch(), timeout=20.0))
 
 
-def build_gap_sensor(specs: list[TableSpec], group: str,
-                     resync_jobs: Mapping[str, dg.JobDefinition] | None = None) -> dg.SensorDefinition:
-    """`resync_jobs`: each table's (qualified name) `resync_<table>` job. Until every table has one,
-    a gap is left for a later tick (the cursor stays before it) rather than half handled."""
-    jobs = dict(resync_jobs or {})
+def build_gap_sensor(specs: list[TableSpec], group: str, resyncs: ResyncRequests | None = None) -> dg.SensorDefinition:
+    """`resyncs`: how a table's rebuild is requested. Until it covers every table, a gap is left
+    for a later tick (the cursor stays before it) rather than half handled."""
 
     @dg.sensor(
         name=f"{group}_slot_gaps",
-        jobs=list(jobs.values()) or None,
+        jobs=[resyncs.job] if resyncs is not None else None,
         minimum_interval_seconds=30,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Reads the gaps the producer records when its replication slot was lost, records each on "
@@ -138,8 +133,8 @@ def build_gap_sensor(specs: list[TableSpec], group: str,
         run_requests: list[dg.RunRequest] = []
         observations: list[dg.AssetObservation] = []
         if resumed:
-            missing = [spec.qualified_name for spec in specs if spec.qualified_name not in jobs]
-            if missing:
+            missing = [spec.qualified_name for spec in specs if resyncs is None or not resyncs.covers(spec)]
+            if missing or resyncs is None:
                 message = (f"slot gap at stream message {resumed[0][0]} waits: no resync job for "
                            f"{', '.join(missing)} in this code location")
                 context.log.error(message)
@@ -147,9 +142,9 @@ def build_gap_sensor(specs: list[TableSpec], group: str,
             for sequence, gap in resumed:
                 context.log.warning(f"replication slot {gap.slot} was {gap.reason}; rebuilding every table (gap "
                                     f"recorded at stream message {sequence}, new slot from {gap.consistent_point})")
-                observations.extend(gap_observations(specs, sequence, gap, jobs))
+                observations.extend(gap_observations(specs, sequence, gap, resyncs))
             # One rebuild after the newest gap covers the older ones too.
-            run_requests = resync_requests(specs, resumed[-1][0], jobs)
+            run_requests = resync_requests(specs, resumed[-1][0], resyncs)
         return dg.SensorResult(run_requests=run_requests, asset_events=observations, cursor=str(records[-1][0]))
 
     return _slot_gaps

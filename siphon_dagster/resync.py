@@ -23,16 +23,19 @@ the stream applies it again (it acks only what a target committed).
 
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import dagster as dg
+from pydantic import Field
 
 from siphon_core import naming
 from siphon_dagster import source
 from siphon_dagster.assets import wait_reporter
 from siphon_dagster.partitions import ranges_for
 from siphon_dagster.resources import PostgresResource
+from siphon_dagster.resync_requests import RESYNC_OP_NAME, RESYNC_TAG, tables_resync_job_name
 from siphon_dagster.run_liveness import SNAPSHOT_RUN_TAG, WORKER_TAG, worker_identity
 from siphon_dagster.sensors import IN_PROGRESS
 from siphon_dagster.snapshot.blockers import WaitReport
@@ -47,7 +50,6 @@ from siphon_dagster.snapshot.reader import SnapshotProgress
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.targets.base import TableSchema, Target
 
-RESYNC_TAG = "siphon/resync"
 REPLAY_WAIT_SECONDS = 600.0
 SHADOW_SETTLE_MARGIN_SECONDS = 2.0
 
@@ -150,35 +152,61 @@ def _wait_for_replay(primary_dsn: str, snapshot_dsn: str, on_info: Callable[[str
             time.sleep(1.0)
 
 
-def refuse_concurrent_resync(instance: dg.DagsterInstance, job_name: str, run_id: str) -> None:
-    """Fails when another run of this resync job started before this one and has not ended."""
+def refuse_concurrent_resync(instance: dg.DagsterInstance, spec: TableSpec, run_id: str) -> None:
+    """Fails when another resync run of this table (its `resync_<table>` job or `<group>_resync`
+    naming it) started before this one and has not ended."""
     this = instance.get_run_record_by_id(run_id)
     created = this.create_timestamp if this is not None else None
-    others = [r for r in instance.get_run_records(dg.RunsFilter(job_name=job_name, statuses=IN_PROGRESS), limit=20)
+    # By tag, and by the table's own job for a run made without its job's tags.
+    records = {r.dagster_run.run_id: r for filters in (
+        dg.RunsFilter(tags={RESYNC_TAG: spec.qualified_name}, statuses=IN_PROGRESS),
+        dg.RunsFilter(job_name=spec.resync_job_name, statuses=IN_PROGRESS)) for r in instance.get_run_records(filters, limit=20)}
+    others = [r for r in records.values()
               if r.dagster_run.run_id != run_id and (created is None or r.create_timestamp <= created)]
     if others:
         ids = ", ".join(r.dagster_run.run_id for r in others)
-        raise dg.Failure(description=f"{job_name}: another resync of this table is running (run {ids}); "
+        raise dg.Failure(description=f"{spec.resync_job_name}: another resync of this table is running (run {ids}); "
                                      "wait for it to end, or terminate it, before starting another")
 
 
-def build_resync_job(spec: TableSpec, checks_after: ChecksAfter | None = None) -> dg.JobDefinition:
-    resource_keys = {f"{target}_target" for target in spec.targets}
+def resync_lock_key(spec: TableSpec) -> str:
+    """What the table's resync lock is keyed by (hashed to PostgreSQL's 64-bit advisory key)."""
+    return f"siphon resync {spec.application_identifier} {spec.qualified_name}"
 
-    @dg.op(name=resync_op_name(spec), required_resource_keys={"source", *resource_keys},
-           description=f"Rebuilds {spec.qualified_name} at its targets from a full snapshot into a shadow table, "
-                       "swapped in at once; the stream goes on meanwhile.")
-    def _resync(context: dg.OpExecutionContext, config: ResyncRunConfig) -> None:
-        # Tagged as snapshot runs are: the partitions sensor fails this run if its process dies, so
-        # that a resync killed outright does not make every later one refuse to start.
-        context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity(), SNAPSHOT_RUN_TAG: "true"})
-        refuse_concurrent_resync(context.instance, spec.resync_job_name, context.run_id)
-        targets = list(config.targets or spec.targets)
-        unknown = [t for t in targets if t not in spec.targets]
-        if unknown:
-            raise dg.Failure(description=f"{spec.resync_job_name}: {spec.qualified_name} does not go to target(s) "
-                                         f"{unknown}; its targets are {list(spec.targets)}")
-        source_resource: PostgresResource = context.resources.source
+
+@contextmanager
+def resync_lock(dsn: str, spec: TableSpec) -> Iterator[None]:
+    """Holds the table's resync lock, a PostgreSQL advisory lock of the source's, for the rebuild.
+    The run records keep apart the resyncs whose table is known when the run is created; a
+    `<group>_resync` run launched from the UI names its table only once it starts, and two such
+    runs started at once could otherwise both find the other not yet tagged. The lock is the
+    session's: a process that dies releases it with its connection."""
+    with source.connect(dsn, autocommit=True) as connection:
+        held = connection.execute("select pg_try_advisory_lock(hashtextextended(%s, 0))",
+                                  (resync_lock_key(spec),)).fetchone()
+        if not held or not held[0]:
+            raise dg.Failure(description=f"{spec.resync_job_name}: another resync of this table is running (it "
+                                         "holds the table's resync lock at the source); wait for it to end, or "
+                                         "terminate it, before starting another")
+        yield
+
+
+def rebuild_table(context: dg.OpExecutionContext, spec: TableSpec, targets_asked: list[str] | None,
+                  checks_after: ChecksAfter | None) -> None:
+    """What a resync run does, whichever job it is of: rebuilds `spec` at the asked targets (all of
+    its own by default), records each rebuild on the target asset, then runs the table's checks."""
+    # Tagged as snapshot runs are: the partitions sensor fails this run if its process dies, so
+    # that a resync killed outright does not make every later one refuse to start.
+    context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity(), SNAPSHOT_RUN_TAG: "true",
+                                                   RESYNC_TAG: spec.qualified_name, **spec.tags})
+    refuse_concurrent_resync(context.instance, spec, context.run_id)
+    targets = list(targets_asked or spec.targets)
+    unknown = [t for t in targets if t not in spec.targets]
+    if unknown:
+        raise dg.Failure(description=f"{spec.resync_job_name}: {spec.qualified_name} does not go to target(s) "
+                                     f"{unknown}; its targets are {list(spec.targets)}")
+    source_resource: PostgresResource = context.resources.source
+    with resync_lock(source_resource.dsn, spec):
         for target in targets:
             destination: Target = getattr(context.resources, f"{target}_target").open_target()
             try:
@@ -205,11 +233,22 @@ def build_resync_job(spec: TableSpec, checks_after: ChecksAfter | None = None) -
                     "retried_ranges": result.snapshot.retries,
                     "seconds": round(progress.seconds, 3),
                 }))
-        if checks_after is not None:
-            failed = checks_after(context, spec, targets)
-            if failed:
-                raise dg.Failure(description=f"{spec.resync_job_name}: the rebuilt table's checks failed:\n"
-                                             + "\n".join(failed))
+    if checks_after is not None:
+        failed = checks_after(context, spec, targets)
+        if failed:
+            raise dg.Failure(description=f"{spec.resync_job_name}: the rebuilt table's checks failed:\n"
+                                         + "\n".join(failed))
+
+
+def build_resync_job(spec: TableSpec, checks_after: ChecksAfter | None = None) -> dg.JobDefinition:
+    """`resync_<table>`: rebuilds this one table (run by name; see `resync_requests`)."""
+    resource_keys = {f"{target}_target" for target in spec.targets}
+
+    @dg.op(name=resync_op_name(spec), required_resource_keys={"source", *resource_keys},
+           description=f"Rebuilds {spec.qualified_name} at its targets from a full snapshot into a shadow table, "
+                       "swapped in at once; the stream goes on meanwhile.")
+    def _resync(context: dg.OpExecutionContext, config: ResyncRunConfig) -> None:
+        rebuild_table(context, spec, config.targets, checks_after)
 
     @dg.job(name=spec.resync_job_name, tags={RESYNC_TAG: spec.qualified_name, **spec.tags},
             description=f"Rebuilds {spec.qualified_name} at every target it goes to (run config "
@@ -217,5 +256,41 @@ def build_resync_job(spec: TableSpec, checks_after: ChecksAfter | None = None) -
                         "without downtime for readers.")
     def _job() -> None:
         _resync()
+
+    return _job
+
+
+class TablesResyncRunConfig(dg.Config):
+    """`ops: {rebuild: {config: {table: public.notes, targets: [clickhouse]}}}`."""
+
+    table: str = Field(description="the table to rebuild, as siphon.yaml names it (`public.notes`)")
+    targets: list[str] | None = Field(default=None, description="only these of its targets (default: every one)")
+
+
+def build_tables_resync_job(specs: list[TableSpec], group: str,
+                            checks_after: ChecksAfter | None = None) -> dg.JobDefinition:
+    """`<group>_resync`: rebuilds the table its run config names; the sensors' and the UI's way to
+    a resync (`resync_requests`)."""
+    by_name = {spec.qualified_name: spec for spec in specs}
+    targets = sorted({target for spec in specs for target in spec.targets})
+    name = tables_resync_job_name(group)
+
+    @dg.op(name=RESYNC_OP_NAME, required_resource_keys={"source", *(f"{target}_target" for target in targets)},
+           description="Rebuilds the table named in its config at its targets from a full snapshot into a shadow "
+                       "table, swapped in at once; the stream goes on meanwhile.")
+    def _rebuild(context: dg.OpExecutionContext, config: TablesResyncRunConfig) -> None:
+        spec = by_name.get(config.table)
+        if spec is None:
+            raise dg.Failure(description=f"{name}: table {config.table!r} is not configured; the configured tables "
+                                         f"are {', '.join(repr(n) for n in sorted(by_name))}")
+        rebuild_table(context, spec, config.targets, checks_after)
+
+    @dg.job(name=name, tags=specs[0].tags if specs else {},
+            description="Rebuilds one table at every target it goes to, without downtime for readers: run config "
+                        f"`ops: {{{RESYNC_OP_NAME}: {{config: {{table: public.notes}}}}}}` names it "
+                        "(`targets: [clickhouse]` narrows it). Each table's `resync_<table>` job does the same "
+                        "from the command line.")
+    def _job() -> None:
+        _rebuild()
 
     return _job

@@ -8,7 +8,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import dagster as dg
 
@@ -27,6 +27,7 @@ from siphon_dagster.consumer_sweep import (
 from siphon_dagster.location_reload import LocationReloader
 from siphon_dagster.partitions import missing_keys, range_count
 from siphon_dagster.resources import NatsResource, PostgresResource
+from siphon_dagster.resync_requests import ResyncRequests
 from siphon_dagster.run_liveness import (
     IN_PROGRESS,
     LAUNCHER_TAG,
@@ -267,21 +268,20 @@ def backoff_seconds(failures: int, threshold: int) -> float:
 def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: dict[str, dg.JobDefinition],
                            failure_threshold: int, now=time.time, drift: ConfigDrift | None = None,
                            reloader: LocationReloader | None = None,
-                           resync_jobs: Mapping[str, dg.JobDefinition] | None = None,
+                           resyncs: ResyncRequests | None = None,
                            sweep_seconds: float = CONSUMER_SWEEP_SECONDS) -> dg.SensorDefinition:
     """`jobs` maps each group's key (`<target>:<group>`) to its group job; `drift`, when given,
     tells whether siphon.yaml changed since the code location loaded, and `reloader`, when given,
-    has the code location loaded again when it did. `resync_jobs` (each table's, by qualified
-    name) rebuild a table replicated again after it was removed; every `sweep_seconds` the
+    has the code location loaded again when it did. `resyncs` rebuild a table replicated again
+    after it was removed; every `sweep_seconds` the
     consumers of tables no longer replicated are recorded and deleted (consumer_sweep)."""
     application = groups[0].specs[0].tags[APPLICATION_TAG]
     by_key = {group.key: group for group in groups}
-    rebuilds = dict(resync_jobs or {})
     configured_digest = tables_hash([f"{group.target}:{table}" for group in groups for table in group.tables])
 
     @dg.sensor(
         name=f"{sensor_prefix}_streaming",
-        jobs=[*jobs.values(), *rebuilds.values()],
+        jobs=[*jobs.values(), *([resyncs.job] if resyncs is not None else [])],
         minimum_interval_seconds=15,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Keeps one streaming run per (target, group) alive, serving exactly the group's tables: "
@@ -348,7 +348,7 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
                           or (REMOVALS_READ_KEY not in state and not requests)):
             # Only with definitions that match siphon.yaml: tables the file has but this code does
             # not know are not removed tables.
-            requests += _sweep_consumers(context, queue, application, groups, live, state, clock, rebuilds,
+            requests += _sweep_consumers(context, queue, application, groups, live, state, clock, resyncs,
                                          quiet=not requests)
             if state.get(SWEPT_KEY) == clock:  # swept (an unreachable queue is tried again next tick)
                 state[SWEPT_TABLES_KEY] = configured_digest
@@ -414,7 +414,7 @@ def _stop_lingering_workers(context: dg.SensorEvaluationContext, application: st
 
 def _sweep_consumers(context: dg.SensorEvaluationContext, resource: NatsResource, application: str,
                      groups: list[StreamGroup], live: list[dg.DagsterRun], state: dict, now: float,
-                     rebuilds: Mapping[str, dg.JobDefinition], quiet: bool) -> list[dg.RunRequest]:
+                     resyncs: ResyncRequests | None, quiet: bool) -> list[dg.RunRequest]:
     """Records and deletes the consumers of tables no longer replicated, and requests the rebuild
     of a table replicated again (consumer_sweep). An unreachable queue is logged, never fatal.
     `quiet`: the tick starts no run, so it may read every table's observations once."""
@@ -471,14 +471,13 @@ def _sweep_consumers(context: dg.SensorEvaluationContext, resource: NatsResource
     requests: dict[str, dg.RunRequest] = {}
     for name, removed_at in again.items():
         target, spec = tables[name]
-        job = rebuilds.get(spec.qualified_name)
-        if job is None:
-            continue  # kept until this code location has the table's resync job
+        if resyncs is None or not resyncs.covers(spec):
+            continue  # kept until this code location can rebuild the table
         removed.pop(name, None)
-        request, record = added_again(target, spec.schema, spec.name, removed_at, job.name)
+        request, record = added_again(target, spec, removed_at, resyncs)
         context.log.warning(f"{record.description}")
         context.instance.report_runless_asset_event(record)
-        requests.setdefault(job.name, request)
+        requests.setdefault(spec.qualified_name, request)
     if removed:
         state[REMOVED_KEY] = removed
     else:

@@ -16,7 +16,6 @@ import yaml
 from dagster._core.remote_origin import GrpcServerCodeLocationOrigin
 from dagster._core.remote_representation.code_location import GrpcServerCodeLocation
 
-from siphon_core import naming
 from siphon_core.config import CONFIG_VARIABLE
 from siphon_dagster.location_reload import CodeServerAddress, serving_code_server
 from siphon_stack.process import start_process, stop_pid, wait_until
@@ -40,10 +39,12 @@ def _server_id(origin: GrpcServerCodeLocationOrigin) -> str | None:
         return None
 
 
-def _job_names(origin: GrpcServerCodeLocationOrigin, instance: dg.DagsterInstance) -> set[str]:
+def _asset_keys(origin: GrpcServerCodeLocationOrigin, instance: dg.DagsterInstance) -> set[str]:
+    """The asset keys the UI and the daemon see in the location."""
     location = GrpcServerCodeLocation(origin, instance=instance, watch_server=False)
     try:
-        return {job.name for repository in location.get_repositories().values() for job in repository.get_all_jobs()}
+        return {node.asset_key.to_user_string() for repository in location.get_repositories().values()
+                for node in repository.get_asset_node_snaps()}
     finally:
         location.cleanup()
 
@@ -67,10 +68,10 @@ def test_a_table_added_to_siphon_yaml_is_served_after_the_sensor_reloads_the_cod
         assert serving_code_server(parent_pid=server.pid) == CodeServerAddress(socket=socket)
         first_id = _server_id(origin)
         schema = unique_name
-        newcomer = naming.resync_job_name(schema, "newcomer")
+        newcomer, grows = f"clickhouse/{schema}/newcomer", f"clickhouse/{schema}/grows"
         with dg.instance_for_test(temp_dir=str(home)) as instance:
-            assert naming.resync_job_name(schema, "grows") in _job_names(origin, instance)
-            assert newcomer not in _job_names(origin, instance)
+            assert grows in _asset_keys(origin, instance)
+            assert newcomer not in _asset_keys(origin, instance)
 
             raw["tables"].append({"name": f"{schema}.newcomer"})
             path.write_text(yaml.safe_dump(raw))
@@ -85,9 +86,9 @@ def test_a_table_added_to_siphon_yaml_is_served_after_the_sensor_reloads_the_cod
             said = tick.cursor and yaml.safe_load(tick.cursor)["siphon.yaml"]
             assert f"tables added: {schema}.newcomer" in said and "reloading the code location" in said
 
-            # The server loads the file again by itself: a new server id, and the new table's jobs.
+            # The server loads the file again by itself: a new server id, and the new table's assets.
             wait_until("the reloaded definitions", lambda: _server_id(origin) not in (None, first_id), 240)
-            assert newcomer in _job_names(origin, instance)
-            assert naming.resync_job_name(schema, "grows") in _job_names(origin, instance)
+            assert newcomer in _asset_keys(origin, instance)
+            assert grows in _asset_keys(origin, instance)
     finally:
         stop_pid(server.pid)

@@ -22,7 +22,9 @@ from siphon_core import naming
 from siphon_core.config import SiphonConfig, load_config
 from siphon_dagster import cli, runs, source
 from siphon_dagster.definitions import build_definitions
-from siphon_dagster.resync import RESYNC_TAG
+from siphon_dagster.resync import RESYNC_TAG, resync_lock_key
+from siphon_dagster.resync_requests import tables_resync_job_name
+from siphon_dagster.specs import group_name
 from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema, Target
 from siphon_stack.process import free_port, start_process, stop_pid
@@ -248,6 +250,32 @@ def test_resync_rebuilds_every_target_under_a_live_stream_without_an_empty_view(
             failure = next(e for e in instance.all_logs(refused.run_id) if e.dagster_event and
                            e.dagster_event.is_step_failure)
             assert other.run_id in failure.dagster_event.step_failure_data.error.message
+
+            # The listed `<group>_resync` job, as the UI and the sensors start it, rebuilds the
+            # table its run config names, and is kept apart from the table's other resyncs too.
+            tables_job = defs.resolve_job_def(tables_resync_job_name(group_name(config.application_identifier)))
+
+            def tables_resync(table: str) -> tuple[bool, str]:
+                result = tables_job.execute_in_process(run_config={"ops": {"rebuild": {"config": {"table": table}}}},
+                                                       instance=instance, raise_on_error=False)
+                failures = [e.step_failure_data.error.message for e in result.all_events if e.is_step_failure]
+                assert result.success or failures
+                return result.success, "\n".join(failures)
+
+            succeeded, said = tables_resync(spec.qualified_name)
+            assert not succeeded and other.run_id in said and "another resync of this table" in said
+            instance.report_run_canceled(other)
+            with source.connect(config.source.dsn, autocommit=True) as holder:
+                holder.execute("select pg_advisory_lock(hashtextextended(%s, 0))", (resync_lock_key(spec),))
+                succeeded, said = tables_resync(spec.qualified_name)
+                assert not succeeded and "resync lock" in said
+            succeeded, said = tables_resync(spec.qualified_name)
+            assert succeeded, said
+            run = instance.get_runs(dg.RunsFilter(job_name=tables_job.name, statuses=[dg.DagsterRunStatus.SUCCESS]))[0]
+            assert run.tags[RESYNC_TAG] == spec.qualified_name
+            assert not differences(config, table)
+            succeeded, said = tables_resync("public.nope")
+            assert not succeeded and "'public.nope' is not configured" in said and repr(spec.qualified_name) in said
     finally:
         workload.stop.set()
         if sampler is not None:

@@ -18,6 +18,7 @@ from siphon_core import naming
 from siphon_core.config import TableConfig, parse_config
 from siphon_dagster import sensors, source
 from siphon_dagster.definitions import build_definitions, build_resources
+from siphon_dagster.resync_requests import RESYNC_TAG, ResyncRequests, tables_resync_job_name
 from siphon_dagster.run_liveness import (
     LAUNCHER_TAG,
     SNAPSHOT_RUN_TAG,
@@ -35,7 +36,7 @@ from siphon_dagster.sensors import (
     backoff_seconds,
     build_streaming_sensor,
 )
-from siphon_dagster.specs import table_specs
+from siphon_dagster.specs import group_name, table_specs
 from siphon_dagster.stream_groups import stream_groups
 from tests.helpers.processes import code_server_with_children
 
@@ -687,9 +688,9 @@ def _sweep_tick(config, instance: dg.DagsterInstance, now: float, cursor: str | 
     defs = build_definitions(config)
     groups = stream_groups(config, table_specs(config))
     jobs = {group.key: defs.resolve_job_def(group.job_name) for group in groups}
-    resync = {spec.qualified_name: defs.resolve_job_def(naming.resync_job_name(spec.schema, spec.name))
-              for spec in table_specs(config)}
-    sensor = build_streaming_sensor(groups, "later", jobs, failure_threshold=3, now=lambda: now, resync_jobs=resync)
+    resyncs = ResyncRequests.of(defs.resolve_job_def(tables_resync_job_name(group_name(config.application_identifier))),
+                                table_specs(config))
+    sensor = build_streaming_sensor(groups, "later", jobs, failure_threshold=3, now=lambda: now, resyncs=resyncs)
     return sensor(dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs,
                                           cursor=cursor))
 
@@ -750,18 +751,20 @@ def test_a_removed_tables_consumer_is_recorded_then_deleted_once_idle_and_the_ta
         names = _consumer_names(both)
         assert gone_consumer not in names and naming.consumer_name("clickhouse", schema, "kept") in names
         assert len(instance.fetch_observations(gone_key, limit=5).records) == 1
-        assert [r for r in third.run_requests if r.job_name.startswith("resync_")] == []
+        assert [r for r in third.run_requests if RESYNC_TAG in r.tags] == []
         # The table is configured again: it missed every change made meanwhile, so it is rebuilt,
         # at the first tick that knows the new table list, not at the next 5-minute sweep.
         again = _sweep_tick(both, instance, start + 3 * CONSUMER_SWEEP_SECONDS + 15, third.cursor)
-        resync = [r for r in again.run_requests if r.job_name == naming.resync_job_name(schema, "Gone Ü-1")]
+        resync = [r for r in again.run_requests if r.tags.get(RESYNC_TAG) == f"{schema}.Gone Ü-1"]
         assert len(resync) == 1 and resync[0].run_key
+        assert resync[0].job_name == tables_resync_job_name(group_name(both.application_identifier))
+        assert resync[0].run_config == {"ops": {"rebuild": {"config": {"table": f"{schema}.Gone Ü-1"}}}}
         latest = instance.fetch_observations(gone_key, limit=1).records[0].asset_observation
         assert "again" in latest.description and "resync" in latest.description
         # Requested once: the next sweep has nothing more to say about it, nor does one whose
         # cursor was reset (the asset records that the table came back).
         later = _sweep_tick(both, instance, start + 5 * CONSUMER_SWEEP_SECONDS, again.cursor)
-        assert [r for r in later.run_requests if r.job_name.startswith("resync_")] == []
+        assert [r for r in later.run_requests if RESYNC_TAG in r.tags] == []
         group_run(instance, both)  # streaming: the reset cursor's tick below starts nothing, so it reads the records
         reset = _sweep_tick(both, instance, start + 6 * CONSUMER_SWEEP_SECONDS, None)
         assert reset.run_requests == [] and json.loads(reset.cursor).get("_removals_read") is True
@@ -783,7 +786,7 @@ def test_a_table_added_again_is_rebuilt_even_when_the_sensors_cursor_was_reset_m
         assert [r.job_name for r in starting.run_requests] == [streaming_job_name(both)]
         group_run(instance, both)
         again = _sweep_tick(both, instance, start + 75, starting.cursor)
-        assert [r.job_name for r in again.run_requests] == [naming.resync_job_name(schema, "back")]
+        assert [r.tags[RESYNC_TAG] for r in again.run_requests] == [f"{schema}.back"]
         assert _sweep_tick(both, instance, start + 90, again.cursor).run_requests == []
 
 

@@ -29,7 +29,8 @@ from siphon_dagster.checks.command import run_checks, selected_keys
 from siphon_dagster.checks.definitions import checks_job_name
 from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.gap_sensor import GAP_TAG, build_gap_sensor
-from siphon_dagster.specs import group_name, table_specs
+from siphon_dagster.resync_requests import RESYNC_TAG, ResyncRequests, tables_resync_job_name
+from siphon_dagster.specs import TableSpec, group_name, table_specs
 from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema
 from siphon_stack.postgres import PostgresServer, find_bindir
@@ -82,10 +83,11 @@ def dagster_config(app: Application) -> SiphonConfig:
     })
 
 
-def placeholder_resync_jobs(config: SiphonConfig) -> dict[str, dg.JobDefinition]:
-    """Jobs named like the real resync jobs; the sensor only requests them."""
-    return {spec.qualified_name: _noop_job(naming.resync_job_name(spec.schema, spec.name))
-            for spec in table_specs(config)}
+def placeholder_resyncs(config: SiphonConfig, specs: list[TableSpec] | None = None) -> ResyncRequests:
+    """Requests of a job named like the real resync job; the sensor only requests it. `specs`:
+    the tables it knows (default: all)."""
+    job = _noop_job(tables_resync_job_name(group_name(config.application_identifier)))
+    return ResyncRequests.of(job, table_specs(config) if specs is None else specs)
 
 
 def _noop_job(name: str) -> dg.JobDefinition:
@@ -100,7 +102,7 @@ def _noop_job(name: str) -> dg.JobDefinition:
     return _job
 
 
-def tick(config: SiphonConfig, instance: dg.DagsterInstance, jobs: dict[str, dg.JobDefinition] | None,
+def tick(config: SiphonConfig, instance: dg.DagsterInstance, jobs: ResyncRequests | None,
          cursor: str | None = None):
     sensor = build_gap_sensor(table_specs(config), group_name(config.application_identifier), jobs)
     context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(config))
@@ -137,11 +139,11 @@ def test_a_slot_dropped_while_the_producer_was_down_is_recorded_and_every_table_
     assert "gap recorded" in restarted.log()
 
     config = dagster_config(app)
-    jobs = placeholder_resync_jobs(config)
+    jobs = placeholder_resyncs(config)
     with dg.instance_for_test() as instance:
         first = tick(config, instance, jobs)
-        assert sorted(r.job_name for r in first.run_requests) == sorted(
-            naming.resync_job_name(app.schema, t) for t in TABLES)
+        assert sorted(r.tags[RESYNC_TAG] for r in first.run_requests) == sorted(app.qualified(t) for t in TABLES)
+        assert {r.job_name for r in first.run_requests} == {jobs.job_name}
         assert all(r.tags[GAP_TAG] == str(resumed_sequence) for r in first.run_requests)
         assert first.cursor == str(resumed_sequence)
         observed = {e.asset_key.to_user_string(): e.metadata for e in first.asset_events}
@@ -151,7 +153,7 @@ def test_a_slot_dropped_while_the_producer_was_down_is_recorded_and_every_table_
             assert metadata["gap_lsn"].value == resumed.consistent_point
             assert metadata["reason"].value == "missing"
             assert metadata["gap_sequence"].value == resumed_sequence
-            assert metadata["action"].value.startswith("resync requested: resync_")
+            assert metadata["action"].value.startswith(f"resync requested: {jobs.job_name} for {app.schema}.")
 
         second = tick(config, instance, jobs, cursor=first.cursor)
         assert isinstance(second, dg.SkipReason) or not second.run_requests
@@ -166,8 +168,8 @@ def test_a_slot_dropped_while_the_producer_was_down_is_recorded_and_every_table_
         assert context.cursor == str(resumed_sequence)
 
     with dg.instance_for_test() as fresh:
-        # Until every table has a resync job the gap waits, and is not consumed.
-        waiting = tick(config, fresh, {})
+        # Until every table can be rebuilt the gap waits, and is not consumed.
+        waiting = tick(config, fresh, placeholder_resyncs(config, table_specs(config)[:1]))
         assert isinstance(waiting, dg.SkipReason) and "no resync job" in waiting.skip_message
         assert tick(config, fresh, jobs).run_requests
 
@@ -466,14 +468,15 @@ def test_a_lost_slot_under_a_live_writer_is_rebuilt_by_the_gap_sensors_resyncs_u
             context = dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs)
             result = sensor(context)
             assert isinstance(result, dg.SensorResult), result
-            assert sorted(r.job_name for r in result.run_requests) == sorted(s.resync_job_name for s in specs)
+            assert sorted(r.tags[RESYNC_TAG] for r in result.run_requests) == sorted(s.qualified_name for s in specs)
             for event in result.asset_events:
                 instance.report_runless_asset_event(event)
 
             # Each requested run executes (it ends by running the table's checks, under the writer).
             for request in result.run_requests:
                 job = defs.resolve_job_def(request.job_name)
-                run = job.execute_in_process(instance=instance, tags=request.tags, raise_on_error=False)
+                run = job.execute_in_process(run_config=request.run_config, instance=instance, tags=request.tags,
+                                             raise_on_error=False)
                 failures = [e.step_failure_data.error.message for e in run.all_events if e.is_step_failure]
                 print("\n".join(failures))  # shown in full when the test fails
                 assert run.success, failures

@@ -175,7 +175,7 @@ def test_resources_and_executor_take_no_run_configuration_and_stay_out_of_every_
         assert built.clickhouse_target.settings["url"] == "http://127.0.0.1:8123"
 
 
-def test_the_code_location_finds_each_single_table_stream_job_by_name_and_lists_none() -> None:
+def test_the_code_location_finds_each_single_table_job_by_name_and_lists_none() -> None:
     from dagster._core.remote_representation.external_data import RepositorySnap
 
     from siphon_dagster.definitions import build_code_location
@@ -184,11 +184,12 @@ def test_the_code_location_finds_each_single_table_stream_job_by_name_and_lists_
     location = build_code_location(config(tables=tables))
     full = {job.name for job in build_definitions(config(tables=tables)).resolve_all_job_defs()}
     single = {"stream_clickhouse_notes", "stream_snowflake_notes", "stream_clickhouse_Sales__OrderLines",
-              "stream_snowflake_Sales__OrderLines"}
+              "stream_snowflake_Sales__OrderLines", "resync_notes", "resync_Sales__OrderLines"}
     listed = {job.name for job in location.get_all_jobs()}
     # What the UI and the daemon's snapshots hold: every job but the single-table ones.
     assert listed == full - single and single <= full
-    assert {"stream_clickhouse", "stream_snowflake", "resync_notes", "resync_Sales__OrderLines"} <= listed
+    assert listed == {"__ASSET_JOB", "stream_clickhouse", "stream_snowflake", "siphon_dev_main_1_resync",
+                      "siphon_dev_main_1_checks_job"}
     snapshot = RepositorySnap.from_def(location, defer_snapshots=True)
     assert {ref.name for ref in snapshot.get_job_refs()} == listed
     # What `dagster job execute -j stream_<target>_<table>` looks up: the name, then the job.
@@ -198,6 +199,11 @@ def test_the_code_location_finds_each_single_table_stream_job_by_name_and_lists_
     assert [node.name for node in job.nodes] == ["apply_snowflake_Sales__OrderLines"]
     assert set(job.resource_defs) >= {"snowflake_target", "queue", "source", "spark"}
     assert job.executor_def.name == "in_process"
+    # `dagster job execute -j resync_<table>`: the table's own resync job, which ends with its checks.
+    resync = location.get_job("resync_Sales__OrderLines")
+    assert [node.name for node in resync.nodes] == ["rebuild_Sales__OrderLines"]
+    assert resync.tags["siphon/resync"] == "Sales.OrderLines"
+    assert set(resync.resource_defs) >= {"clickhouse_target", "snowflake_target", "source"}
     assert not location.has_job("stream_clickhouse_nope")
     with pytest.raises(Exception, match="stream_clickhouse_nope"):
         location.get_job("stream_clickhouse_nope")

@@ -109,6 +109,7 @@ def test_on_slot_lost_is_resync_by_default_and_checked():
 
 def test_the_sensor_observes_every_target_asset_and_requests_every_table_once():
     from siphon_dagster.gap_sensor import GAP_TAG, gap_observations, resync_requests
+    from siphon_dagster.resync_requests import RESYNC_TAG, ResyncRequests
     from siphon_dagster.specs import table_specs
 
     config = parse_config({
@@ -122,20 +123,24 @@ def test_the_sensor_observes_every_target_asset_and_requests_every_table_once():
     def noop() -> None:
         pass
 
-    jobs = {}
-    for spec in specs:
-        name = naming.resync_job_name(spec.schema, spec.name)
-        jobs[spec.qualified_name] = dg.GraphDefinition(name=name, node_defs=[noop]).to_job()
+    resyncs = ResyncRequests.of(dg.GraphDefinition(name="siphon_app_resync", node_defs=[noop]).to_job(), specs)
     gap = replace(CLOSED_GAP, last_streamed_lsn="0/1800")
 
-    observations = gap_observations(specs, 12, gap, jobs)
-    requests = resync_requests(specs, 12, jobs)
+    observations = gap_observations(specs, 12, gap, resyncs)
+    requests = resync_requests(specs, 12, resyncs)
 
     assert sorted(o.asset_key.to_user_string() for o in observations) == [
         "clickhouse/audit/events", "clickhouse/public/notes", "snowflake/public/notes"]
     notes = observations[0]
     assert notes.metadata["gap_lsn"].value == "0/2000" and notes.metadata["gap_sequence"].value == 12
     assert "after 0/1800 and before 0/2000" in notes.description
-    assert [(r.job_name, r.tags[GAP_TAG], r.run_key) for r in requests] == [
-        ("resync_notes", "12", "slot-gap-12-resync_notes"),
-        ("resync_audit__events", "12", "slot-gap-12-resync_audit__events")]
+    assert "siphon_app_resync for public.notes requested" in notes.description
+    assert [(r.job_name, r.tags[GAP_TAG], r.tags[RESYNC_TAG], r.run_key) for r in requests] == [
+        ("siphon_app_resync", "12", "public.notes", "slot-gap-12-resync_notes"),
+        ("siphon_app_resync", "12", "audit.events", "slot-gap-12-resync_audit__events")]
+    # The run config names the table: the one listed job rebuilds whichever table it is told.
+    assert [r.run_config for r in requests] == [{"ops": {"rebuild": {"config": {"table": "public.notes"}}}},
+                                                {"ops": {"rebuild": {"config": {"table": "audit.events"}}}}]
+    stranger = replace(specs[0], table=specs[0].table.model_copy(update={"name": "public.stranger"}))
+    with pytest.raises(ValueError, match=r"does not know public\.stranger; it knows \['audit\.events', 'public\.notes'\]"):
+        resyncs.request(stranger, run_key="x")
