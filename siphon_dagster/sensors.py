@@ -56,9 +56,13 @@ SOURCE_OBSERVATION_SECONDS = 600.0
 OBSERVED_KEY = "_observed"  # in the cursor: table -> [when last observed, digest of its column list]
 # At most this many source observations a tick, besides those of tables whose columns changed: a
 # first start of 500 tables recorded 500 at once, each an event the daemon stores, in the minute
-# the streaming run sets its tables up. The others wait for the next ticks, the longest unobserved
-# first (so their later observations stay spread over the interval).
-SOURCE_OBSERVATIONS_PER_TICK = 100
+# the streaming run sets its tables up; at 200 tables, 100 a tick still took the daemon most of a
+# core for seconds while the run was at its busiest. The others wait for the next ticks, the
+# longest unobserved first (so their later observations stay spread over the interval). With more
+# tables than that keeps observed every SOURCE_OBSERVATION_SECONDS, a tick takes more
+# (`observations_per_tick`).
+SOURCE_OBSERVATIONS_PER_TICK = 40
+_PARTITIONS_TICK_SECONDS = 60
 # How long a tick adds partitions at most; the tables left wait for its next tick.
 ADD_PARTITIONS_SECONDS = 20.0
 VERIFIED_KEY = "_verified"  # in the cursor: table -> when its partitions were last read from the instance
@@ -67,7 +71,12 @@ VERIFIED_KEY = "_verified"  # in the cursor: table -> when its partitions were l
 CONSUMER_SWEEP_SECONDS = 300.0
 SWEPT_KEY = "_consumers_swept_at"  # in the streaming sensor's cursor
 SWEPT_TABLES_KEY = "_consumers_swept_for"  # in it too: a digest of the (target, table) pairs swept for
-REMOVALS_READ_KEY = "_removals_read"  # in it too: the tables' assets were read for removal records
+# In it too: true once the tables' assets were read for removal records, or the table the reading
+# goes on from at the next quiet tick.
+REMOVALS_READ_KEY = "_removals_read"
+# Tables whose assets a tick reads for removal records: about 12 ms each from SQLite storage, and
+# all 200 of a first start in one tick took the code server 2.4 s while the streaming run began.
+REMOVAL_READS_PER_TICK = 25
 REMOVED_KEY = "_unreplicated"  # in it too: table id -> when it was recorded as no longer replicated
 
 
@@ -150,11 +159,19 @@ def partition_requests(instance: dg.DagsterInstance, connection, specs: list[Tab
     return requests, blocks
 
 
+def source_observations_per_tick(tables: int) -> int:
+    """Source observations a tick of the partitions sensor makes at most: SOURCE_OBSERVATIONS_PER_TICK,
+    or half as many again as `tables` need a tick to be observed every SOURCE_OBSERVATION_SECONDS."""
+    return max(SOURCE_OBSERVATIONS_PER_TICK, math.ceil(1.5 * tables * _PARTITIONS_TICK_SECONDS / SOURCE_OBSERVATION_SECONDS))
+
+
 def build_partitions_sensor(specs: list[TableSpec], group: str,
-                            observations_per_tick: int = SOURCE_OBSERVATIONS_PER_TICK) -> dg.SensorDefinition:
+                            observations_per_tick: int | None = None) -> dg.SensorDefinition:
+    per_tick = observations_per_tick if observations_per_tick is not None else source_observations_per_tick(len(specs))
+
     @dg.sensor(
         name=f"{group}_partitions",
-        minimum_interval_seconds=60,
+        minimum_interval_seconds=_PARTITIONS_TICK_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Adds the block-range partitions of tables that grew and observes each source table "
                     "(size, row estimate, columns, LSN) every 10 minutes and when its columns change. The cursor "
@@ -185,7 +202,7 @@ def build_partitions_sensor(specs: list[TableSpec], group: str,
             requests, blocks = partition_requests(context.instance, connection, specs, read=read, covered=covered)
             lsn = source_db.current_lsn(connection)
         verified.update(dict.fromkeys(looked_up, now))
-        observations, waiting = _source_observations(specs, read, observed, lsn, now, observations_per_tick)
+        observations, waiting = _source_observations(specs, read, observed, lsn, now, per_tick)
         if waiting:
             context.log.info(f"{waiting} source table observation(s) wait for the next tick")
         fail_dead_snapshot_runs(context, now)
@@ -345,7 +362,7 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
         # rebuilt without waiting for the next sweep).
         if not stale and (clock >= state.get(SWEPT_KEY, 0.0) + sweep_seconds
                           or state.get(SWEPT_TABLES_KEY) != configured_digest
-                          or (REMOVALS_READ_KEY not in state and not requests)):
+                          or (state.get(REMOVALS_READ_KEY) is not True and not requests)):
             # Only with definitions that match siphon.yaml: tables the file has but this code does
             # not know are not removed tables.
             requests += _sweep_consumers(context, queue, application, groups, live, state, clock, resyncs,
@@ -458,16 +475,19 @@ def _sweep_consumers(context: dg.SensorEvaluationContext, resource: NatsResource
         context.log.info(f"removed queue consumer {consumer.name} of {consumer.qualified_name} "
                          f"({consumer.target}), which is no longer replicated")
     again = {name: removed[name] for name in plan.added_again}
-    if REMOVALS_READ_KEY not in state and quiet:
+    read_from = state.get(REMOVALS_READ_KEY)
+    if read_from is not True and quiet:
         # A cursor without the list (new, or reset): the tables' assets tell which were removed and
-        # not rebuilt. A read of every table's observations (seconds for hundreds of tables), so not
-        # in a tick that starts runs.
-        state[REMOVALS_READ_KEY] = True
-        for name, (target, spec) in tables.items():
+        # not rebuilt. A read of every table's observations, so not in a tick that starts runs, and
+        # REMOVAL_READS_PER_TICK tables a tick.
+        unread = sorted(name for name in tables if not isinstance(read_from, str) or name >= read_from)
+        for name in unread[:REMOVAL_READS_PER_TICK]:
+            target, spec = tables[name]
             if name not in again:
                 at = forgotten_removal(context.instance, target, spec.schema, spec.name)
                 if at is not None:
                     again[name] = at
+        state[REMOVALS_READ_KEY] = True if len(unread) <= REMOVAL_READS_PER_TICK else unread[REMOVAL_READS_PER_TICK]
     requests: dict[str, dg.RunRequest] = {}
     for name, removed_at in again.items():
         target, spec = tables[name]

@@ -71,9 +71,10 @@ SETTLED_LOOK_SECONDS = 120.0
 SETTLED_LOOKS_PER_SECOND = 1.0
 # A tick records at most this many table states; the rest keep their last recorded state and are
 # looked at again next tick. A first start of 500 tables changed every table's state twice within a
-# minute, a thousand events the daemon stored one by one while the streaming runs were starting.
-# A state that names failed partitions is recorded whatever the count.
-STATE_EVENTS_PER_TICK = 200
+# minute, a thousand events the daemon stored one by one while the streaming runs were starting;
+# at 200 tables, 200 states in one tick still took the daemon most of a core for seconds while the
+# run was at its busiest. A state that names failed partitions is recorded whatever the count.
+STATE_EVENTS_PER_TICK = 60
 SETTLED_KEY = "settled_at"  # in a table's cursor entry: when it was last found settled
 RESUME_KEY = "_resume"  # in the cursor: the table the next tick begins with (no table id starts with _)
 WAKE_KEY = "_wake_after"  # in the cursor: by event type, the newest event storage id WakeUps read

@@ -3,6 +3,7 @@
 import asyncio
 import functools
 import json
+import math
 import subprocess
 import sys
 import time
@@ -198,6 +199,15 @@ def three_tables(postgres_dsn, nats_url, unique_name):
     raw = raw_config(postgres_dsn, nats_url, unique_name)
     raw["tables"] = [{"name": f"{unique_name}.{name}", "blocks_per_partition": 4} for name in ("a", "b", "c")]
     return parse_config(raw)
+
+
+def test_a_tick_observes_enough_tables_to_keep_each_observed_every_interval() -> None:
+    # 40 a tick up to 266 tables; beyond, half as many again as one tick a minute needs to observe
+    # every table each SOURCE_OBSERVATION_SECONDS.
+    assert [sensors.source_observations_per_tick(n) for n in (1, 200, 400, 500, 1000)] == [40, 40, 60, 75, 150]
+    for tables in (500, 1000, 3000):
+        ticks_a_round = math.ceil(tables / sensors.source_observations_per_tick(tables))
+        assert ticks_a_round * 60 < SOURCE_OBSERVATION_SECONDS
 
 
 def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the_next(postgres_dsn, nats_url,
@@ -788,6 +798,26 @@ def test_a_table_added_again_is_rebuilt_even_when_the_sensors_cursor_was_reset_m
         again = _sweep_tick(both, instance, start + 75, starting.cursor)
         assert [r.tags[RESYNC_TAG] for r in again.run_requests] == [f"{schema}.back"]
         assert _sweep_tick(both, instance, start + 90, again.cursor).run_requests == []
+
+
+def test_a_reset_cursor_reads_the_tables_removal_records_a_few_tables_a_tick(config, monkeypatch):
+    monkeypatch.setattr(sensors, "REMOVAL_READS_PER_TICK", 1)
+    both = with_tables(config, ["early", "late"])
+    schema = table_specs(both)[0].schema
+    _make_consumers(both, [f"{schema}.early", f"{schema}.late"])
+    only_early = with_tables(config, ["early"])
+    start = time.time()
+    with dg.instance_for_test() as instance:
+        _sweep_tick(only_early, instance, start, None)  # the removal of `late` is recorded on its asset
+        group_run(instance, both)
+        # A lost cursor: each quiet tick reads one table's records, in the order of their ids.
+        first = _sweep_tick(both, instance, start + 60, None)
+        assert first.run_requests == []
+        assert json.loads(first.cursor)["_removals_read"] == f"clickhouse:{schema}.late"
+        second = _sweep_tick(both, instance, start + 75, first.cursor)
+        assert [r.tags[RESYNC_TAG] for r in second.run_requests] == [f"{schema}.late"]
+        assert json.loads(second.cursor)["_removals_read"] is True
+        assert _sweep_tick(both, instance, start + 90, second.cursor).run_requests == []
 
 
 def test_tables_are_read_in_one_query_each_and_a_bad_table_holds_back_no_other(postgres_dsn, unique_name):
