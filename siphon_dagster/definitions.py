@@ -175,11 +175,14 @@ def build_code_location(config: SiphonConfig, config_path: str | None = None) ->
 
     specs = table_specs(config)
     with_table_jobs = cache(lambda: build_definitions(config, config_path, resources=resources))
+
+    def with_the_rest(name: str) -> Callable[[], dg.JobDefinition]:
+        # A resync ends with the table's checks, which run through the definitions it is part of.
+        return lambda: with_table_jobs().resolve_job_def(name)
+
     single = {spec.stream_job_name(target): alone(partial(build_stream_job, spec, target)) for spec in specs
               for target in spec.targets}
-    # A resync ends with the table's checks, which run through the definitions it is part of.
-    single.update({spec.resync_job_name: partial(lambda name: with_table_jobs().resolve_job_def(name),
-                                                 spec.resync_job_name) for spec in specs})
+    single.update({spec.resync_job_name: with_the_rest(spec.resync_job_name) for spec in specs})
     groups = {group.job_name: alone(partial(build_group_stream_job, group)) for group in stream_groups(config, specs)}
     return with_jobs_by_name(lambda: build_definitions(config, config_path, resources=resources, table_jobs=False),
                              {**groups, **single}, unlisted=list(single))

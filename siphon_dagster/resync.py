@@ -158,9 +158,9 @@ def refuse_concurrent_resync(instance: dg.DagsterInstance, spec: TableSpec, run_
     this = instance.get_run_record_by_id(run_id)
     created = this.create_timestamp if this is not None else None
     # By tag, and by the table's own job for a run made without its job's tags.
-    records = {r.dagster_run.run_id: r for filters in (
-        dg.RunsFilter(tags={RESYNC_TAG: spec.qualified_name}, statuses=IN_PROGRESS),
-        dg.RunsFilter(job_name=spec.resync_job_name, statuses=IN_PROGRESS)) for r in instance.get_run_records(filters, limit=20)}
+    filters = (dg.RunsFilter(tags={RESYNC_TAG: spec.qualified_name}, statuses=IN_PROGRESS),
+               dg.RunsFilter(job_name=spec.resync_job_name, statuses=IN_PROGRESS))
+    records = {r.dagster_run.run_id: r for runs in filters for r in instance.get_run_records(runs, limit=20)}
     others = [r for r in records.values()
               if r.dagster_run.run_id != run_id and (created is None or r.create_timestamp <= created)]
     if others:

@@ -780,11 +780,17 @@ def test_a_removed_tables_consumer_is_recorded_then_deleted_once_idle_and_the_ta
         assert reset.run_requests == [] and json.loads(reset.cursor).get("_removals_read") is True
 
 
-def test_a_table_added_again_is_rebuilt_even_when_the_sensors_cursor_was_reset_meanwhile(config):
-    both = with_tables(config, ["kept", "back"])
+def _one_of_two_removed(config, kept: str, removed: str):
+    """Two tables with queue consumers, the configuration of both, its schema, and the
+    configuration without `removed`."""
+    both = with_tables(config, [kept, removed])
     schema = table_specs(both)[0].schema
-    _make_consumers(both, [f"{schema}.kept", f"{schema}.back"])
-    only_kept = with_tables(config, ["kept"])
+    _make_consumers(both, [f"{schema}.{kept}", f"{schema}.{removed}"])
+    return both, schema, with_tables(config, [kept])
+
+
+def test_a_table_added_again_is_rebuilt_even_when_the_sensors_cursor_was_reset_meanwhile(config):
+    both, schema, only_kept = _one_of_two_removed(config, "kept", "back")
     start = time.time()
     with dg.instance_for_test() as instance:
         _sweep_tick(only_kept, instance, start, None)  # the removal is recorded on the asset
@@ -802,10 +808,7 @@ def test_a_table_added_again_is_rebuilt_even_when_the_sensors_cursor_was_reset_m
 
 def test_a_reset_cursor_reads_the_tables_removal_records_a_few_tables_a_tick(config, monkeypatch):
     monkeypatch.setattr(sensors, "REMOVAL_READS_PER_TICK", 1)
-    both = with_tables(config, ["early", "late"])
-    schema = table_specs(both)[0].schema
-    _make_consumers(both, [f"{schema}.early", f"{schema}.late"])
-    only_early = with_tables(config, ["early"])
+    both, schema, only_early = _one_of_two_removed(config, "early", "late")
     start = time.time()
     with dg.instance_for_test() as instance:
         _sweep_tick(only_early, instance, start, None)  # the removal of `late` is recorded on its asset
