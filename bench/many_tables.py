@@ -38,6 +38,9 @@ Figures:
 - batches_gathered_share: over the steady phase, the streaming run's batches by how they gathered
   (`siphon_stream_batches_gathered_total`): nearly all `waiting_for_turn` says the run is at its
   capacity on this machine, and freshness follows the batches a second it manages.
+- cpu_cores / machine_cores: over the steady phase, the cores each part of the machine used, and
+  the machine's cores left idle and taken by its host (steal); packages_per_s: the packages (queue
+  messages) the producer published a second.
 With --instance-storage postgres Dagster keeps its runs and events in a database of the same
 PostgreSQL (as a production instance does) instead of SQLite files under DAGSTER_HOME.
 With --faults the streaming runs are killed (kill -9) a third into the steady phase and the producer
@@ -564,14 +567,26 @@ def role_of(pid: int) -> str:
     return "other Dagster"  # `dagster dev` itself, Dagster's log capture
 
 
+def machine_ticks() -> dict[str, int]:
+    """The whole machine's CPU time so far by state (/proc/stat's first line), in clock ticks."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()[1:]
+    states = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {state: int(value) for state, value in zip(states, fields, strict=False)}
+
+
 class CpuSplit:
-    """CPU used per part of the machine between `start()` and `stop()`, in cores."""
+    """CPU used per part of the machine between `start()` and `stop()`, in cores; and the machine's
+    cores left idle and taken by its host (`steal`: a virtual machine's CPU time its hypervisor gave
+    to others), which tell a slow hour of the machine from a slower code."""
 
     def __init__(self, parts: dict[str, Callable[[], list[int]]]) -> None:
         self.parts = parts
         self._before: dict[int, tuple[str, float]] = {}
+        self._machine_before: dict[str, int] = {}
         self._started = 0.0
         self.cores: dict[str, float] = {}
+        self.machine: dict[str, float] = {}
 
     def _now(self) -> dict[int, tuple[str, float]]:
         used: dict[int, tuple[str, float]] = {}
@@ -582,9 +597,13 @@ class CpuSplit:
 
     def start(self) -> None:
         self._before, self._started = self._now(), time.monotonic()
+        self._machine_before = machine_ticks()
 
     def stop(self) -> None:
         after, seconds = self._now(), time.monotonic() - self._started
+        machine, tick = machine_ticks(), os.sysconf("SC_CLK_TCK")
+        self.machine = {state: round((machine[state] - self._machine_before.get(state, 0)) / tick / seconds, 3)
+                        for state in ("idle", "iowait", "steal") if state in machine}
         # Per process: one started in the window counts whole, one that ended in it is not counted
         # (a streaming run replaced in the window counts as its replacement's CPU, not as none).
         self.cores = {}
@@ -635,6 +654,19 @@ def run_metrics(port: int, attempts: int = 3) -> dict[str, Any]:
     return {"batches": sums["siphon_stream_batches_total"], "batch_seconds": sums["siphon_stream_batch_seconds_sum"],
             "lag_max_s": peaks["siphon_stream_lag_seconds"], "pending": sums["siphon_stream_pending_messages"],
             "phases": phases, "gathered": gathered, "target": target}
+
+
+def producer_packages(port: int) -> float:
+    """Packages the producer has published and had acknowledged so far (its /metrics); NaN when it
+    does not answer. Every package is a message the queue stores and each streaming run pulls and
+    acks: with the batches a second, how much of a run's work is per message."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return float("nan")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("siphon_producer_packages_total"))
 
 
 def freshness(writer: Writer, poller: Poller, after: float, at_return: bool = False,
@@ -897,6 +929,7 @@ def main() -> int:
             cpu = CpuSplit(machine_parts())
             cpu.start()
             batches_before = run_metrics(run_metrics_port)
+            packages_before = producer_packages(metrics_port)
             steady_from = time.time()
             steady_changes = writer.changes
             steady_started = time.monotonic()
@@ -913,6 +946,9 @@ def main() -> int:
                     raise RuntimeError(f"writer: {writer.error}; poller: {poller.error}")
                 time.sleep(SAMPLE_SECONDS)
             achieved_rate = (writer.changes - steady_changes) / (time.monotonic() - steady_started)
+            # A producer killed in the phase counts its packages from its restart: no figure then.
+            packages_per_second = ((producer_packages(metrics_port) - packages_before)
+                                   / (time.monotonic() - steady_started) if faults is None else float("nan"))
             cpu.stop()
             # A run killed in the steady phase counts its batches from its restart: no figure of the phase.
             batches_after = run_metrics(run_metrics_port) if faults is None and change is None else batches_before
@@ -997,7 +1033,9 @@ def main() -> int:
                                for phase, seconds in batches_after["phases"].items()} if steady_batches else {},
         "batches_gathered_share": {how: round((count - batches_before["gathered"].get(how, 0.0)) / steady_batches, 3)
                                    for how, count in batches_after["gathered"].items()} if steady_batches else {},
+        "packages_per_s": packages_per_second,
         "cpu_cores": {role: round(cores, 3) for role, cores in sorted(cpu.cores.items(), key=lambda kv: -kv[1])},
+        "machine_cores": cpu.machine,
         "startup_batches": batches_before["batches"],
         "startup_batch_phase_mean_s": {phase: round(seconds / batches_before["batches"], 4)
                                        for phase, seconds in batches_before["phases"].items()}
@@ -1023,6 +1061,8 @@ def main() -> int:
     print(f"\nCPU during the steady phase ({os.cpu_count()} cores):")
     for role, cores in figures["cpu_cores"].items():
         print(f"  {role:32s} {cores:5.2f} cores")
+    print("  the machine: " + ", ".join(f"{state} {cores:.2f} cores" for state, cores in cpu.machine.items())
+          + f"; the producer published {packages_per_second:.0f} packages a second")
     lag = (f"at the steady phase's end the greatest lag {figures['lag_max_end_s']:.1f} s and "
            f"{figures['pending_end']:.0f} messages pending")
     if figures["batch_phase_mean_s"]:
