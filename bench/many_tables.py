@@ -500,6 +500,13 @@ class TableChange:
         self.created.set()
         config = yaml.safe_load(self.config_path.read_text())
         self.removed = config["tables"].pop()["name"]
+        # A group may name only configured tables: the removed one leaves its group too (the new
+        # table goes to the default group).
+        groups = config.get("streaming", {}).get("groups", {})
+        for group in list(groups):
+            groups[group] = [name for name in groups[group] if name != self.removed]
+            if not groups[group]:
+                del groups[group]
         config["tables"].append({"name": f"public.{self.ADDED}"})
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         started = time.monotonic()
