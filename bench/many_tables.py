@@ -28,7 +28,7 @@ Figures:
   from its commit until a poll (one starts every 0.25 s, or when the one before returned; max(id)
   of each table with a new part) saw its id; an upper bound by up to a poll's interval. A poll
   counts from when its query began (a query reads the parts active when it starts); printed
-  beside, the p95 counted when the poll returned (as earlier rounds counted it) and the mean time
+  beside, the p95 counted when the poll returned (the looser bound) and the mean time
   a poll's queries took.
 - rss_mb / processes: the peak over samples every 2 s of the summed resident memory and the
   number of processes of `dagster dev`'s whole tree (webserver, daemon, code servers, every run
@@ -679,8 +679,8 @@ def producer_packages(port: int) -> float:
 def freshness(writer: Writer, poller: Poller, after: float, at_return: bool = False,
               detail: list[tuple[float, str, float]] | None = None) -> list[float]:
     """Commit -> first poll that saw the id, for every (tick, table) insert committed after `after`;
-    a poll's time is when its query began, or with `at_return` when it returned (as rounds before
-    the twenty-third counted it). `detail` receives (commit time, table, seconds) of each."""
+    a poll's time is when its query began, or with `at_return` when it returned (a looser bound,
+    printed beside). `detail` receives (commit time, table, seconds) of each."""
     samples = []
     polls = poller.polls
     start = 0
