@@ -54,6 +54,11 @@ _FETCH_STEP = 64  # messages per pull request: bounds how far a batch overshoots
 _FETCH_STEP_MAX = 1000
 _PROGRESS_SHARE_OF_ACK_WAIT = 1 / 3  # in-progress marks are sent this often, as a share of the ack wait
 _ACK_CONFIRM_SECONDS = 30.0  # how long the last ack of a batch waits for the server's confirmation
+# A batch pulled while no other is in flight (a run's first, or the first after the table was
+# quiet) is cut at this share of batch_max_bytes: behind a backlog it is decoded while nothing is
+# written yet, and a full one kept the target idle that long (a quarter of a one-table backlog's
+# apply went to its first batch).
+_FIRST_BATCH_SHARE = 1 / 4
 # How long a request for the messages already waiting lingers when there are none.
 _TAKE_WAITING_SECONDS = 0.1
 # Requests in a row that may bring nothing while the server said more messages were waiting.
@@ -185,7 +190,7 @@ class StreamConsumer:
                     batch, following = following, None
                 else:
                     pulled_at = time.perf_counter()
-                    messages = await (ahead if ahead is not None else self._pull(subscription))
+                    messages = await (ahead if ahead is not None else self._pull(subscription, alone=self.pipelined))
                     # A group run's batch counts from its first message, not from a quiet table's wait.
                     pulled_at = max(pulled_at, self._first_message_at)
                     ahead = None
@@ -275,23 +280,26 @@ class StreamConsumer:
         await js.delete_consumer(self.queue.settings.stream, self.durable)
         return await self.queue.add_consumer(config)
 
-    async def _pull(self, subscription: JetStreamContext.PullSubscription) -> list[Msg]:
+    async def _pull(self, subscription: JetStreamContext.PullSubscription, alone: bool = False) -> list[Msg]:
         """Up to batch_max_messages / batch_max_bytes, waiting at most batch_max_wait_seconds (or
-        the group run's pace) after the first message."""
+        the group run's pace) after the first message; `alone`: no other batch is in flight, and
+        the batch is cut at `_FIRST_BATCH_SHARE` of the byte limit."""
         limits = self.streaming
         wait = self.batch_wait() if self.batch_wait is not None else limits.batch_max_wait_seconds
         if self.idle_pull_seconds is not None:
             return await self._pull_gathered(subscription, wait)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
+        max_messages = limits.batch_max_messages
+        max_bytes = max(1, int(limits.batch_max_bytes * _FIRST_BATCH_SHARE)) if alone else limits.batch_max_bytes
         messages: list[Msg] = []
         size = 0
-        while len(messages) < limits.batch_max_messages and size < limits.batch_max_bytes:
+        while len(messages) < max_messages and size < max_bytes:
             remaining = deadline - loop.time()
             if remaining < 0.01:
                 break
             try:
-                got = await subscription.fetch(min(limits.batch_max_messages - len(messages), _FETCH_STEP),
+                got = await subscription.fetch(min(max_messages - len(messages), _pull_step(alone, max_bytes, messages, size)),
                                                timeout=remaining)
             except TimeoutError:
                 break
@@ -586,6 +594,17 @@ class _Batch:
     early: asyncio.Task[PreparedBatch | None] | None  # its Spark work, started when it was assembled
     turn_seconds: float = 0.0  # how long it waited for a group run's turn before taking its messages
     gathered: str | None = None  # how a group run's batch gathered its messages (GATHERED_*)
+
+
+def _pull_step(alone: bool, max_bytes: int, messages: Sequence[Msg], size: int) -> int:
+    """Messages the next request of `_pull` asks for: `_FETCH_STEP`; for a batch pulled alone, as
+    many as its byte limit still holds at the size of those taken (one to start), so that its cut
+    is close."""
+    if not alone:
+        return _FETCH_STEP
+    if not messages:
+        return 1
+    return max(1, -(-(max_bytes - size) * len(messages) // max(size, 1)))
 
 
 def fetch_step(messages_left: int, bytes_left: int, message_bytes: float) -> int:

@@ -364,6 +364,25 @@ def test_one_batch_in_flight_converges_and_prepares_nothing_ahead(request: pytes
     target.close()
 
 
+def test_a_batch_pulled_with_none_in_flight_is_cut_at_a_quarter_of_the_byte_limit(
+        request: pytest.FixtureRequest, nats_url: str, spark: SparkSession, unique_name: str) -> None:
+    # Behind a backlog, the first batch is decoded while nothing is written: a small one lets the
+    # writes start sooner, and the batches after it are full again.
+    target = make_target(request, "clickhouse", unique_name)
+    bodies = [os.urandom(1000).hex() for _ in range(12)]  # about 1 KB a message, compressed
+    packages = [package([insert(0x400 + i, str(i), body, "1")]) for i, body in enumerate(bodies)]
+    size = max(len(encode_package(p)) for p in packages)
+    publish(nats_url, unique_name, packages)
+    # A quarter of the byte limit holds 4.5 messages: the first batch takes 5.
+    sizes = StreamingConfig(batch_max_messages=1000, batch_max_bytes=18 * size, batch_max_wait_seconds=0.3)
+    run = StreamConsumer(queue(nats_url, unique_name), target, TableConfig(name="public.notes"), spark, sizes)
+    reports: list[BatchReport] = []
+    run.run(stop_when_drained=True, on_batch=reports.append)
+    assert [r.messages for r in reports] == [5, 7], "a quarter of the byte limit, then the rest in one request"
+    assert target.current_rows_as_text(notes_schema()) == [(str(i), body, "1") for i, body in enumerate(bodies)]
+    target.close()
+
+
 class SlowFirstWrite(CrashAfterCommit):
     """Delegates to a real target; its first write takes `seconds` longer."""
 
