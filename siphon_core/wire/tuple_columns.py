@@ -52,6 +52,8 @@ class TupleColumns:
     offsets: np.ndarray  # (rows + 1,) int64: where each row's TupleData starts, and the last one ends
     present: np.ndarray  # (rows,) bool: the row has a TupleData (not NULL)
     column_count: int
+    # Whether some value is an unchanged TOASTed one: when none is, `unchanged` walks no row.
+    has_unchanged: bool = True
 
     @property
     def row_count(self) -> int:
@@ -73,6 +75,8 @@ class TupleColumns:
     def unchanged(self, rows: np.ndarray | None = None) -> pa.Array:
         """Per row (at indices `rows`, or all), the positions of unchanged TOASTed values (NULL
         when there are none)."""
+        if not self.has_unchanged:
+            return pa.nulls(self.row_count if rows is None else len(rows), pa.list_(pa.int32()))
         offsets, positions = _unchanged_positions(self.data, self.offsets, self.present, self._rows(rows),
                                                   self.column_count)
         if positions.shape[0] == 0:
@@ -116,7 +120,7 @@ def split_tuples(tuples: pa.Array | pa.ChunkedArray, column_count: int) -> Tuple
         data_buffer = pa.py_buffer(b"\0")
     data = np.frombuffer(data_buffer, np.uint8)
     present = tuples.is_valid().to_numpy(zero_copy_only=False) if tuples.null_count else np.ones(rows, bool)
-    row, code, detail_a, detail_b = (int(value) for value in _check(data, offsets, present, column_count))
+    row, code, detail_a, detail_b, unchanged = (int(value) for value in _check(data, offsets, present, column_count))
     if code == _WRONG_COUNT:
         raise MalformedTupleError(row, f"the tuple has {detail_a} columns, expected {column_count}")
     if code == _UNKNOWN_KIND:
@@ -125,7 +129,7 @@ def split_tuples(tuples: pa.Array | pa.ChunkedArray, column_count: int) -> Tuple
         raise MalformedTupleError(row, f"truncated TupleData: its values need {detail_a} bytes, it has {detail_b}")
     if code == _TRAILING:
         raise MalformedTupleError(row, f"{detail_b - detail_a} bytes follow the tuple's last value")
-    return TupleColumns(data_buffer, data, offsets, present, column_count)
+    return TupleColumns(data_buffer, data, offsets, present, column_count, has_unchanged=unchanged > 0)
 
 
 def _binary_array(offsets: np.ndarray, out: np.ndarray, valid: np.ndarray) -> pa.Array:
@@ -144,15 +148,17 @@ def _binary_array(offsets: np.ndarray, out: np.ndarray, valid: np.ndarray) -> pa
 
 
 @numba.njit(cache=True, nogil=True)
-def _failure(row, code, a, b):  # pragma: no cover - compiled
-    error = np.empty(4, np.int64)
-    error[0], error[1], error[2], error[3] = row, code, a, b
+def _failure(row, code, a, b, unchanged=0):  # pragma: no cover - compiled
+    error = np.empty(5, np.int64)
+    error[0], error[1], error[2], error[3], error[4] = row, code, a, b, unchanged
     return error
 
 
 @numba.njit(cache=True, nogil=True)
 def _check(data, offsets, present, column_count):  # pragma: no cover - compiled
-    """(row, code, a, b) of the first malformed row; code 0 when every row is well formed."""
+    """(row, code, a, b, unchanged) of the first malformed row; code 0 when every row is well
+    formed, and then `unchanged` counts the unchanged TOASTed values."""
+    unchanged = 0
     for row in range(present.shape[0]):
         if not present[row]:
             continue
@@ -171,13 +177,16 @@ def _check(data, offsets, present, column_count):  # pragma: no cover - compiled
                 if pos + 5 > end:
                     return _failure(row, 3, pos + 5 - begin, end - begin)
                 pos += 5 + _length(data, pos)
-            elif kind in (NULL, UNCHANGED):
+            elif kind == NULL:
                 pos += 1
+            elif kind == UNCHANGED:
+                pos += 1
+                unchanged += 1
             else:
                 return _failure(row, 2, column, kind)
         if pos != end:
             return _failure(row, 3 if pos > end else 4, pos - begin, end - begin)
-    return _failure(0, 0, 0, 0)
+    return _failure(0, 0, 0, 0, unchanged)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -58,6 +58,7 @@ from siphon_dagster.streaming.decode import (
 )
 from siphon_dagster.streaming.fold import latest_indices, merge_pieces, with_version
 from siphon_dagster.streaming.spark_facts import decode_slices, is_remote
+from siphon_dagster.streaming.worker_memory import retain_between_tasks
 
 BLOB_DDL = "_blob binary, _path string"
 PACKAGES_FILE = "packages"  # in a job's result directory: the payloads of its packages
@@ -187,8 +188,15 @@ class DecodeStage:
         self._located_bytes = 0
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for rows in self.tables(batches):
-            yield self._result(rows)
+        retention = None if self.in_driver else retain_between_tasks()
+        if retention is not None:
+            retention.task_started()
+        try:
+            for rows in self.tables(batches):
+                yield self._result(rows)
+        finally:
+            if retention is not None:
+                retention.task_ended()
         if not self.in_driver:
             _freeze_worker_heap()
 

@@ -35,6 +35,16 @@ def test_each_kind_of_value_is_located_as_the_row_decoder_reads_it():
     assert located.unchanged().to_pylist() == [[1]]
 
 
+def test_rows_without_unchanged_values_say_so_without_a_walk():
+    rows = [[b"1", None, b"x"], None, [b"2", b"", None]]
+    located = split_tuples(pa.array([None if row is None else encode_tuple(row) for row in rows], pa.binary()), 3)
+    assert not located.has_unchanged
+    assert located.unchanged().to_pylist() == [None, None, None]
+    assert located.unchanged([2, 0]).to_pylist() == [None, None]
+    assert located.unchanged([2, 0]).type == pa.list_(pa.int32())
+    assert split_tuples(pa.array([LAYOUT]), 5).has_unchanged
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_rows_split_exactly_like_the_row_decoder(seed):
     rng = random.Random(seed)
@@ -52,6 +62,7 @@ def test_random_rows_split_exactly_like_the_row_decoder(seed):
     expected_unchanged = [None if row is None else [i for i, v in enumerate(row) if v is UNCHANGED_TOAST] or None
                           for row in rows]
     assert located.unchanged().to_pylist() == expected_unchanged
+    assert located.has_unchanged == any(row is not None and UNCHANGED_TOAST in row for row in rows)
     key_columns = sorted(rng.sample(range(width), min(2, width)))
     expected_keys = [None if row is None or any(row[i] is None or row[i] is UNCHANGED_TOAST for i in key_columns)
                      else encode_tuple([row[i] for i in key_columns]) for row in rows]
