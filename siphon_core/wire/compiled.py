@@ -12,11 +12,12 @@ import pyarrow as pa
 from siphon_core.wire import siphon_pb2 as pb
 from siphon_core.wire.event_columns import gather_spans_into, read_package, spans_array, summarize_package
 from siphon_core.wire.tuple_columns import split_tuples
-from siphon_core.wire.tuple_data import encode_tuple
+from siphon_core.wire.tuple_data import UNCHANGED_TOAST, encode_tuple
 
 
 def compile_all() -> None:
-    located = split_tuples(pa.array([encode_tuple([b"1", None, b"x"]), None], pa.binary()), 3)
+    # An unchanged TOASTed value in the row: without one, `unchanged` runs no compiled loop.
+    located = split_tuples(pa.array([encode_tuple([b"1", None, UNCHANGED_TOAST]), None], pa.binary()), 3)
     located.columns([0, 2], np.array([0, 1]))
     located.key([0])
     located.unchanged()

@@ -298,9 +298,11 @@ class StreamConsumer:
             remaining = deadline - loop.time()
             if remaining < 0.01:
                 break
+            step = min(max_messages - len(messages), _FETCH_STEP)
+            if alone:  # a close cut: one message, then what the byte limit holds at their size
+                step = fetch_step(step, max_bytes - size, size / len(messages), least=1) if messages else 1
             try:
-                got = await subscription.fetch(min(max_messages - len(messages), _pull_step(alone, max_bytes, messages, size)),
-                                               timeout=remaining)
+                got = await subscription.fetch(step, timeout=remaining)
             except TimeoutError:
                 break
             messages += got
@@ -596,23 +598,12 @@ class _Batch:
     gathered: str | None = None  # how a group run's batch gathered its messages (GATHERED_*)
 
 
-def _pull_step(alone: bool, max_bytes: int, messages: Sequence[Msg], size: int) -> int:
-    """Messages the next request of `_pull` asks for: `_FETCH_STEP`; for a batch pulled alone, as
-    many as its byte limit still holds at the size of those taken (one to start), so that its cut
-    is close."""
-    if not alone:
-        return _FETCH_STEP
-    if not messages:
-        return 1
-    return max(1, -(-(max_bytes - size) * len(messages) // max(size, 1)))
-
-
-def fetch_step(messages_left: int, bytes_left: int, message_bytes: float) -> int:
+def fetch_step(messages_left: int, bytes_left: int, message_bytes: float, least: int = _FETCH_STEP) -> int:
     """Messages to ask for in one pull request: what the byte budget left holds at `message_bytes`
-    a message, never fewer than `_FETCH_STEP` (the overshoot a batch always allowed) nor more than
-    the messages left or `_FETCH_STEP_MAX`."""
+    a message, never fewer than `least` (by default `_FETCH_STEP`, the overshoot a batch always
+    allowed) nor more than the messages left or `_FETCH_STEP_MAX`."""
     fits = int(bytes_left / message_bytes) if message_bytes > 0 else _FETCH_STEP_MAX
-    return max(1, min(messages_left, _FETCH_STEP_MAX, max(_FETCH_STEP, fits)))
+    return max(1, min(messages_left, _FETCH_STEP_MAX, max(least, fits)))
 
 
 def _outcome_seen(task: asyncio.Task[Any]) -> None:

@@ -1,4 +1,4 @@
-"""How many messages a group run's pull asks for in one request."""
+"""How many messages a pull asks for in one request."""
 
 from siphon_dagster.streaming.consumer import _FETCH_STEP, _FETCH_STEP_MAX, fetch_step
 
@@ -20,3 +20,9 @@ def test_a_step_is_never_empty_nor_more_than_what_is_left():
     assert fetch_step(1, 10, 1_000_000) == 1
     assert fetch_step(0, 10, 10) == 1  # the caller stops before; a request never asks for none
     assert fetch_step(10, 8_000_000, 0.0) == 10  # nothing taken yet
+
+
+def test_a_first_batch_asks_for_no_more_than_its_byte_limit_holds():
+    # A batch pulled alone passes least=1: 100 kB messages, 350 kB left, 3 of them, not the step.
+    assert fetch_step(64, 350_000, 100_000, least=1) == 3
+    assert fetch_step(64, 50_000, 100_000, least=1) == 1  # less than one left: still one more

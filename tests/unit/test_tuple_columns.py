@@ -90,3 +90,12 @@ def test_a_malformed_row_is_named_with_what_is_wrong(data, columns, message):
 
     assert str(raised.value).startswith(message)
     assert raised.value.row == 1
+
+
+def test_the_set_up_compiles_every_loop_a_decode_runs():
+    from siphon_core.wire import compiled, tuple_columns
+
+    compiled.compile_all()
+    for loop in (tuple_columns._check, tuple_columns._gather_values, tuple_columns._gather_keys,
+                 tuple_columns._unchanged_positions):
+        assert loop.signatures, f"{loop.__name__} was not compiled by the set-up"
