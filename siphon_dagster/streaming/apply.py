@@ -151,7 +151,8 @@ class BatchApplier:
         table, spec, seconds = prepared.table, prepared.spec, dict(prepared.seconds)
         started = time.perf_counter()
         # The merge runs here, not in `prepare`: it overlaps the next batch's Spark work.
-        folded = _as_text(merge_folded(prepared.pieces, len(table.columns)), table)
+        folded = _as_text(merge_folded(prepared.pieces, len(table.columns),
+                                       superseded_allowed=self.target.superseded_rows_allowed), table)
         seconds["merge"] = _lap(started)
         started = time.perf_counter()
 

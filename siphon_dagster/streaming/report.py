@@ -16,7 +16,7 @@ class BatchReport:
     messages: int
     events: int
     rows_by_operation: dict[str, int]  # events of the batch by operation, before the fold
-    rows_applied: int  # rows handed to the target after the fold
+    rows_applied: int  # rows handed to the target after the fold (with superseded ones, where it allows them)
     applied_lsn: int  # greatest commit LSN applied (0 when the batch applied nothing)
     latency_seconds: float  # first message pulled -> batch acknowledged
     lag_oldest_seconds: float  # now - oldest commit time in the batch

@@ -160,6 +160,10 @@ class Target(Protocol):
     name: str  # "clickhouse" or "snowflake": used for asset keys and job names only
     # How long a stream write may trust its look-up of the resync shadow (0: every write looks).
     shadow_lookup_seconds: float
+    # Whether a change batch may also hold rows that a greater version of the same key in it
+    # supersedes: the target keeps each key's greatest version however its rows arrive, so the run
+    # need not take them out first. A MERGE needs one source row per key: not Snowflake.
+    superseded_rows_allowed: bool
 
     def sibling(self) -> Target:
         """A target of the same configuration for another table of a streaming run (sharing

@@ -83,6 +83,8 @@ class _SnapshotStages:
 class ClickHouseTarget(SqlTarget):
     dialect = sql.dialect
     driver_error = ClickHouseError
+    # ReplacingMergeTree keeps each key's greatest version, in a part and across parts alike.
+    superseded_rows_allowed = True
 
     def __init__(self, config: ClickHouseTargetConfig, shared: ConnectionPerThread | None = None) -> None:
         self.config = config

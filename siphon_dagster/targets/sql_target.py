@@ -84,6 +84,7 @@ class SqlTarget(ABC):
     # write looks). A resync waits longer than this between creating the shadow and reading its
     # first range (siphon_dagster.resync), so a write the shadow needs always finds it.
     shadow_lookup_seconds = 0.0
+    superseded_rows_allowed = False  # see base.Target
     _shadows_seen: ShadowLookups | None = None  # shared with the target's siblings
 
     @property

@@ -32,6 +32,7 @@ from siphon_dagster.streaming.consumer import StreamApplyError, StreamConsumer
 from siphon_dagster.streaming.report import BatchReport
 from siphon_dagster.streaming.schema import table_schema
 from siphon_dagster.streaming.source_rows import SourceRowReader
+from siphon_dagster.streaming.spark_facts import decode_slices
 from siphon_dagster.streaming.spark_session import get_spark_session
 from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema, Target
@@ -328,6 +329,31 @@ PIPELINED = [
     package([update(0x10A, "7", U, "70", U)], columns=WITH_TAG),
     package([insert(0x10B, "8", BIG, "8", None)], columns=WITH_TAG),
 ]
+
+
+def test_keys_that_several_spark_tasks_saw_keep_their_newest_row_at_clickhouse(
+        request: pytest.FixtureRequest, nats_url: str, spark: SparkSession, unique_name: str) -> None:
+    target = make_target(request, "clickhouse", unique_name)
+    # Every package changes every key; the last deletes key 3 and inserts key 5 again after its delete.
+    story = [package([update(0x100 + 16 * p + k, str(k), f"v{p}", str(p), position=1) if p else
+                      insert(0x100 + k, str(k), "v0", "0") for k in range(6)]) for p in range(5)]
+    story.append(package([delete(0x200, "3", None, None), delete(0x201, "5", None, None),
+                          insert(0x202, "5", "back", "9")]))
+    publish(nats_url, unique_name, story)
+    reports: list[BatchReport] = []
+    streaming = StreamingConfig(batch_max_messages=len(story), batch_max_wait_seconds=2.0, driver_decode_max_bytes=0)
+    StreamConsumer(queue(nats_url, unique_name), target, TableConfig(name="public.notes"), spark, streaming).run(
+        stop_when_drained=True, on_batch=reports.append)
+
+    assert len(reports) == 1 and not reports[0].decoded_in_driver
+    assert target.current_rows_as_text(notes_schema()) == [
+        ("0", "v4", "4"), ("1", "v4", "4"), ("2", "v4", "4"), ("4", "v4", "4"), ("5", "back", "9")]
+    # Each Spark task folded its packages; the newest row of a key another task also holds is not
+    # taken out before the write (ClickHouse keeps the greatest version).
+    tasks = min(decode_slices(spark), len(story))
+    rows = reports[0].rows_applied
+    assert 6 < rows <= 6 * tasks if tasks > 1 else rows == 6, (rows, tasks)
+    target.close()
 
 
 def test_batches_prepared_while_the_one_before_is_written_converge(request: pytest.FixtureRequest, nats_url: str,

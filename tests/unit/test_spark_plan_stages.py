@@ -57,7 +57,8 @@ def _random_packages(seed: int) -> tuple[list[pb.Package], dict[str, tuple[int, 
     return packages, latest
 
 
-def _run_stages(packages: list[pb.Package], tasks: int, directory: str | None = None) -> pa.Table:
+def _run_stages(packages: list[pb.Package], tasks: int, directory: str | None = None,
+                superseded_allowed: bool = False) -> pa.Table:
     """The decode stage over `tasks` slices of the packages, then the driver's merge. With a
     `directory`, the packages are read from a file there and the results are files there; else
     both go as values, as through Spark Connect."""
@@ -70,7 +71,7 @@ def _run_stages(packages: list[pb.Package], tasks: int, directory: str | None = 
         stage = spark_plan.DecodeStage(SPEC, None, directory=directory)
         pieces += [piece for batch in mine.to_batches() for out in stage(iter([batch]))
                    for piece in spark_plan._results(out)]
-    return spark_plan.merge_folded(pieces, len(SPEC.columns))
+    return spark_plan.merge_folded(pieces, len(SPEC.columns), superseded_allowed=superseded_allowed)
 
 
 @pytest.mark.parametrize("route", ["values", "files"])
@@ -93,6 +94,41 @@ def test_any_cut_into_tasks_and_pieces_keeps_each_keys_latest_change(monkeypatch
         values = [None if row[f"c{i}"] is None else row[f"c{i}"].decode() for i in range(3)]
         got[key] = (row["_op"], int(row["_version"]), values)
     assert got == latest
+
+
+def _latest_by_version(rows: pa.Table) -> dict[str, tuple[int, int, list]]:
+    """Each key's row of greatest version, as a target that keeps the greatest version stores it."""
+    stored: dict[str, tuple[int, int, list]] = {}
+    for row in rows.to_pylist():
+        key = row["c0"].decode()
+        values = [None if row[f"c{i}"] is None else row[f"c{i}"].decode() for i in range(3)]
+        if key not in stored or stored[key][1] < int(row["_version"]):
+            stored[key] = (row["_op"], int(row["_version"]), values)
+    return stored
+
+
+@pytest.mark.parametrize("tasks", [1, 3])
+def test_where_superseded_rows_are_allowed_tasks_pieces_are_put_together_unmerged(monkeypatch, tasks):
+    monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", 1)  # a piece per package: keys repeat across them
+    packages, latest = _random_packages(seed=11 + tasks)
+
+    merged = _run_stages(packages, tasks)
+    together = _run_stages(packages, tasks, superseded_allowed=True)
+
+    assert together.schema == merged.schema
+    assert merged.num_rows == len(latest) < together.num_rows, "a key several pieces hold keeps each of its rows"
+    assert _latest_by_version(together) == _latest_by_version(merged) == latest
+
+
+def test_pieces_with_unchanged_values_are_merged_even_where_superseded_rows_are_allowed(monkeypatch):
+    monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", 1)
+    packages, _ = _random_packages(seed=7)
+    packages = _with_unchanged_value(packages)
+
+    together = _run_stages(packages, 1, superseded_allowed=True)
+
+    keys = [row["c0"] for row in together.to_pylist()]
+    assert len(keys) == len(set(keys)) == 30, "each row to fill is its key's newest change, filled once"
 
 
 def test_a_result_file_that_cannot_be_written_goes_through_spark_as_a_blob(tmp_path):

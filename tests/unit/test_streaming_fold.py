@@ -16,6 +16,7 @@ from siphon_core.wire.packages import encode_package
 from siphon_core.wire.tuple_data import UNCHANGED_TOAST as U
 from siphon_core.wire.tuple_data import encode_tuple
 from siphon_dagster.source import ExistingRowsValue
+from siphon_dagster.streaming import spark_plan
 from siphon_dagster.streaming.apply import AppliedBatch, BatchApplier
 from siphon_dagster.streaming.batch import PackageAssembler
 from siphon_dagster.streaming.spark_session import get_spark_session
@@ -83,6 +84,24 @@ def test_latest_change_of_each_key_wins_and_deletes_leave_tombstones(spark: Spar
     assert applied.rows == 3  # one row per key
     assert rows(target) == {"1": ("1", "a2", "10"), "3": ("3", "c2", "30")}
     assert target.rows[("2",)][:2] == (naming.row_version(0x12, 1), True)
+
+
+def test_a_target_that_allows_superseded_rows_gets_them_and_stores_the_same_rows(
+        spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spark_plan, "DECODED_BYTES_PER_FLUSH", 1)  # a piece per package
+    batch = [package([insert(0x10, "1", "a", "1"), insert(0x10, "2", "b", "2", position=2)]),
+             package([update(0x20, "1", "a2", "5"), delete(0x21, "2", None, None), insert(0x22, "3", "c", "3")]),
+             package([update(0x30, "3", "c2", "6"), insert(0x31, "2", "b2", "7")])]
+    merged, together = MemoryTarget(), MemoryTarget(superseded_rows_allowed=True)
+
+    def in_driver(target: MemoryTarget) -> BatchApplier:  # decoded in this process, where the flush size holds
+        return BatchApplier(spark, target, "public", "notes", driver_decode_max_bytes=1 << 20)  # type: ignore[arg-type]
+
+    assert apply(spark, merged, *batch, applier=in_driver(merged)).rows == 3
+    # Every piece's row of each key, the older ones superseded at the target.
+    assert apply(spark, together, *batch, applier=in_driver(together)).rows == 7
+    assert rows(together) == rows(merged) == {"1": ("1", "a2", "5"), "2": ("2", "b2", "7"), "3": ("3", "c2", "6")}
+    assert together.rows == merged.rows
 
 
 def test_duplicated_and_out_of_order_packages_converge_to_the_same_rows(spark: SparkSession) -> None:

@@ -100,6 +100,7 @@ class MemoryTarget:
     incompatible: list[str] = field(default_factory=list)
     fail_apply: int = 0  # the next N apply_rows calls raise
     applied_batches: int = 0
+    superseded_rows_allowed: bool = False  # apply_rows keeps each key's greatest version either way
 
     def ensure_table(self, table: TableSchema, backfill: Mapping[str, str] | None = None) -> SchemaChange:
         known = {c.name for s in self.schemas for c in s.columns}
