@@ -267,6 +267,10 @@ class Batches:
     def events(self) -> int:
         return sum(r.events for r in self.reports)
 
+    @property
+    def rows_written(self) -> int:
+        return sum(r.rows_applied for r in self.reports)
+
     def seconds(self) -> dict[str, float]:
         totals: dict[str, float] = {}
         for report in self.reports:
@@ -596,6 +600,8 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
         ("apply: stream messages, batch limits", f"{backlog.messages:,}, {backlog.batch_limits}",
          "the default"),
         ("apply: batches, first batch (s)", f"{len(reports)}, {first.latency_seconds if first else 0:.1f}", ""),
+        ("apply: rows written (after each batch's fold)",
+         f"{backlog.batches.rows_written:,}", ""),
         ("apply events/s (whole run)", f"{backlog.apply_rate:,.0f}", f">= {backlog.producer_rate:,.0f}"),
         ("apply / producer", f"{backlog.apply_rate / backlog.producer_rate:.2f}", ">= 1.00"),
         ("apply events/s in its stride (batches after the first, between acks)",
