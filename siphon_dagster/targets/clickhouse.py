@@ -54,7 +54,8 @@ _SETTING_REFUSALS = ("UNKNOWN_SETTING", "SETTING_CONSTRAINT_VIOLATION", "READONL
 # A NULL in a column that holds none (a NOT NULL source column) reads as the type's default,
 # as the type mapping's conversion (`ifNull`) makes it.
 SNAPSHOT_INSERT_SETTINGS = {"optimize_on_insert": 0, "input_format_null_as_default": 1}
-# A folded micro-batch holds each key once: the same holds for its inserts. A NULL in a column
+# A folded micro-batch holds each key once, or a few rows of a key that the greatest version settles
+# (`superseded_rows_allowed`): replacing at insert would only do what merges and FINAL do. A NULL in a column
 # that holds none becomes the type's default (`clickhouse_batch`), whatever the server's default.
 BATCH_INSERT_SETTINGS = {"optimize_on_insert": 0, "input_format_null_as_default": 1, "max_insert_threads": 2,
                          "max_threads": 2}
