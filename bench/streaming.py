@@ -20,8 +20,9 @@
    start-up is reported on its own line) and a first, smaller backlog (--warm-changes) is
    published and applied the same way, untimed; `--warm-changes 0` times a cold run instead. The
    reference is the producer's rate: the apply must keep up with it, or lag grows without bound.
-   Afterwards the `_current` view must hold the source's row count, and sampled rows (present and
-   deleted) must match.
+   Afterwards the `_current` view must hold the source's row count, every row must be identical
+   (compared by digests of their text, as the row-parity check does), and sampled rows (present
+   and deleted) must match.
 2. Freshness. With the producer and a long-running `StreamConsumer` (a thread of this process)
    running on low-latency settings, a writer (a PL/pgSQL loop inside PostgreSQL, so a client's
    speed does not limit it) commits a steady load: every 100 ms, rate/100 transactions (50 at
@@ -60,6 +61,8 @@ from siphon_core import naming
 from siphon_core.config import ClickHouseTargetConfig, SparkConfig, StreamingConfig, TableConfig
 from siphon_core.queue import JetStreamQueue, StreamSettings
 from siphon_dagster import source
+from siphon_dagster.checks import source_digest
+from siphon_dagster.checks.digest import bucket_digits, mismatched_buckets
 from siphon_dagster.streaming.consumer import StreamConsumer
 from siphon_dagster.streaming.report import BatchReport
 from siphon_dagster.streaming.source_rows import SourceRowReader
@@ -305,6 +308,7 @@ class Backlog:
     target_rows: int
     sampled: int
     mismatches: list[str]
+    buckets: tuple[int, int]  # every row compared by digests: (buckets, buckets that differ)
     warm_changes: int = 0
     load_average: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-minute, as the phase ends
 
@@ -391,11 +395,25 @@ def run_backlog(stack, spark, spark_start_seconds: float, changes_wanted: int, w
         print(f"  applied {batches.events:,} events in {apply_seconds:.2f}s ({len(batches.reports)} batches, the last "
               f"acked at {last_acked:.2f}s); verifying...", flush=True)
         source_rows, target_rows, sampled, mismatches = verify(dsn, target)
+        buckets = compare_every_row(dsn, target)
     finally:
         target.close()
     return Backlog(changes, write_seconds, producer_seconds, producer_cpu, messages, batch_limits,
                    spark_start_seconds, apply_seconds, batches, cpu_used, source_rows, target_rows, sampled, mismatches,
-                   warm_changes=warm_changes)
+                   buckets, warm_changes=warm_changes)
+
+
+def compare_every_row(dsn: str, target: ClickHouseTarget) -> tuple[int, int]:
+    """Every row of the source against the `_current` view, as the row-parity check compares them
+    (an md5 of each row's PostgreSQL text, summed per bucket of keys): (buckets, buckets that
+    differ). The source is quiet by then, so a difference is a wrong row, not one in flight."""
+    with source.connect(dsn) as connection:
+        schema = source.table_schema(connection, TABLE)
+    with source_digest.snapshot_read(dsn) as read:
+        digits = bucket_digits(source_digest.count_rows(read.connection, schema))
+        at_source = source_digest.bucket_digests(read.connection, schema, digits)
+    at_target = target.bucket_digests(schema, digits)
+    return len(at_source.keys() | at_target.keys()), len(mismatched_buckets(at_source, at_target))
 
 
 def verify(dsn: str, target: ClickHouseTarget, samples: int = 200) -> tuple[int, int, int, list[str]]:
@@ -610,6 +628,8 @@ def report(backlog: Backlog, fresh: Freshness, load_before: float) -> None:
         ("apply seconds by step (sum over batches)", backlog.batches.breakdown(), f"of {backlog.apply_seconds:.1f} s"),
         ("apply CPU us/event: all = driver+JVM+workers, ClickHouse", backlog.cpu.per_event_us(backlog.changes), ""),
         ("rows: source, _current view", f"{backlog.source_rows:,}, {backlog.target_rows:,}", "equal"),
+        ("every row compared (md5 of its text, buckets of keys that differ)",
+         f"{backlog.buckets[1]} of {backlog.buckets[0]:,}", "0"),
         ("sampled ids compared (present and deleted)", f"{backlog.sampled - len(backlog.mismatches)}/{backlog.sampled}",
          f"{verdict}"),
         ("freshness: producer flush_interval_seconds", f"{fresh.flush_seconds}", ""),
@@ -672,6 +692,7 @@ def main() -> int:
                 "freshness_p50_s": fresh.percentile(0.50), "freshness_p95_s": fresh.percentile(0.95),
                 "apply_in_stride_events_per_s": backlog.stride_rate})
     converged = all(run.source_rows == run.target_rows and not run.mismatches for run in (backlog, fresh))
+    converged = converged and backlog.buckets[1] == 0
     return 0 if converged else 1
 
 
