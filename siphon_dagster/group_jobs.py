@@ -6,6 +6,7 @@ connection; each table keeps its own consumer, asset, materializations and error
 """
 
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ import dagster as dg
 
 from siphon_core.config import TableConfig
 from siphon_dagster.run_liveness import in_step_process, stop_when_orphaned, worker_tags
-from siphon_dagster.stream_groups import StreamGroup
+from siphon_dagster.stream_groups import ENDED_BY_INTERRUPT, ENDED_BY_TAG, StreamGroup
 from siphon_dagster.streaming.materializations import AggregatedBatches
 from siphon_dagster.table_state import STREAM_STOPPED
 
@@ -185,6 +186,11 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                     summary = runner.run(stop_when_drained=config.stop_when_drained)
             else:
                 summary = runner.run(stop_when_drained=config.stop_when_drained)
+        except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError):
+            # Dagster records the run as failed; the tag tells the streaming sensor it was stopped.
+            with contextlib.suppress(Exception):
+                context.instance.add_run_tags(context.run_id, {ENDED_BY_TAG: ENDED_BY_INTERRUPT})
+            raise
         finally:
             # Batches applied and acked whose reports an interrupt cancelled: the table the stream
             # made is the snapshot sensor's signal to load it, and each table's latest

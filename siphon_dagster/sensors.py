@@ -38,6 +38,8 @@ from siphon_dagster.run_liveness import (
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.stream_groups import (
     APPLICATION_TAG,
+    ENDED_BY_INTERRUPT,
+    ENDED_BY_TAG,
     GROUP_TAG,
     STREAM_TAG,
     TABLES_HASH_TAG,
@@ -261,7 +263,8 @@ FAILURE_MEMORY_SECONDS = 3600.0
 
 def consecutive_failures(instance: dg.DagsterInstance, job_name: str, now: float, window: int = 20) -> tuple[int, float]:
     """Failures since the last run that ended otherwise, within the last hour, and when the latest
-    of them ended."""
+    of them ended. A run its operator stopped (`ENDED_BY_TAG`) is left out: stopping and starting
+    `dagster dev` a few times must not hold the next start back as a streak of failures would."""
     records = instance.get_run_records(filters=dg.RunsFilter(job_name=job_name), limit=window)
     failures, last_end = 0, 0.0
     for record in records:  # newest first
@@ -270,6 +273,8 @@ def consecutive_failures(instance: dg.DagsterInstance, job_name: str, now: float
         ended = record.end_time or record.update_timestamp.timestamp()
         if ended < now - FAILURE_MEMORY_SECONDS:
             break
+        if record.dagster_run.tags.get(ENDED_BY_TAG) == ENDED_BY_INTERRUPT:
+            continue
         failures += 1
         last_end = max(last_end, ended)
     return failures, last_end

@@ -22,6 +22,10 @@ TABLES_TAG = "siphon/stream-tables"  # the tables served, comma-separated schema
 TABLES_HASH_TAG = "siphon/stream-tables-hash"  # a digest of that list, compared by the sensor
 APPLICATION_TAG = "siphon/application"
 STREAM_TAG = "siphon/stream"  # `<target>:<schema.table>` on a single-table run (siphon_dagster.jobs)
+# On a streaming run its operator stopped (Ctrl-C of `dagster dev`, a SIGTERM at shutdown): Dagster
+# records it as failed, but it says nothing of whether the next run fails (`consecutive_failures`).
+ENDED_BY_TAG = "siphon/ended-by"
+ENDED_BY_INTERRUPT = "interrupt"
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from siphon_dagster.sensors import (
     build_streaming_sensor,
 )
 from siphon_dagster.specs import group_name, table_specs
-from siphon_dagster.stream_groups import stream_groups
+from siphon_dagster.stream_groups import ENDED_BY_INTERRUPT, ENDED_BY_TAG, stream_groups
 from tests.helpers.processes import code_server_with_children
 
 
@@ -396,10 +396,10 @@ def _tick_at(config, instance: dg.DagsterInstance, now: float) -> dg.SensorResul
     return sensor(dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs))
 
 
-def _failed_runs(config, instance: dg.DagsterInstance, count: int) -> str:
+def _failed_runs(config, instance: dg.DagsterInstance, count: int, tags: dict[str, str] | None = None) -> str:
     job_name = streaming_job_name(config)
     for _ in range(count):
-        create_run_for_test(instance, job_name=job_name, status=dg.DagsterRunStatus.FAILURE)
+        create_run_for_test(instance, job_name=job_name, status=dg.DagsterRunStatus.FAILURE, tags=tags)
     return job_name
 
 
@@ -412,6 +412,24 @@ def test_streaming_sensor_backs_off_after_repeated_failures_and_resumes_later(co
         assert state["failures"] == 4 and state["backoff_until"] > 0
         # Once the backoff has passed, the sensor tries again.
         assert [r.job_name for r in _tick_at(config, instance, state["backoff_until"] + 1).run_requests] == [job_name]
+
+
+def test_runs_stopped_by_their_operator_are_no_streak_of_failures(config):
+    stopped = {ENDED_BY_TAG: ENDED_BY_INTERRUPT}
+    with dg.instance_for_test() as instance:
+        # `dagster dev` stopped and started five times: a run starts at once.
+        job_name = _failed_runs(config, instance, 5, stopped)
+        result = tick(build_definitions(config), config, instance, "_streaming")
+        assert [r.job_name for r in result.run_requests] == [job_name]
+        assert json.loads(result.cursor)[job_name]["failures"] == 0
+    with dg.instance_for_test() as instance:
+        # Failures on either side of a stopped run still make a streak.
+        _failed_runs(config, instance, 2)
+        _failed_runs(config, instance, 1, stopped)
+        job_name = _failed_runs(config, instance, 2)
+        result = tick(build_definitions(config), config, instance, "_streaming")
+        assert result.run_requests == []
+        assert json.loads(result.cursor)[job_name]["failures"] == 4
 
 
 def test_failures_of_an_earlier_session_do_not_hold_back_a_fresh_start(config):
