@@ -27,6 +27,7 @@ from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.spark_session import get_spark_session
 from siphon_dagster.targets.base import Target
 from tests.helpers.application import Application
+from tests.helpers.instance import instance_for_test
 from tests.helpers.producer import wait_until
 from tests.integration.test_streaming_consumer import consumer, make_target
 
@@ -107,7 +108,7 @@ def test_a_volatile_default_is_reported_in_the_run_log_and_the_materialization(
     job = build_definitions(config).resolve_job_def(naming.stream_job_name("clickhouse", app.schema, "events"))
     op = f"apply_clickhouse_{naming.job_suffix(app.schema, 'events')}"
     run_config = {"ops": {op: {"config": {"stop_when_drained": True}}}}
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         assert job.execute_in_process(run_config=run_config, instance=instance).success
 
         # clock_timestamp() is volatile: PostgreSQL rewrites the table to write it into every row.
@@ -163,7 +164,7 @@ def test_a_snapshot_reads_the_columns_the_table_has_when_its_range_is_read(
     # started (and the old column list was current) before the ALTER and the UPDATE commit.
     blocker = psycopg.connect(app.dsn)
     blocker.execute("select pg_current_xact_id()")  # an xid, and no lock the ALTER would wait for
-    with dg.instance_for_test() as instance, ThreadPoolExecutor(1) as pool:
+    with instance_for_test() as instance, ThreadPoolExecutor(1) as pool:
         instance.add_dynamic_partitions(spec.partitions_def_name, [key])
         try:
             run = pool.submit(dg.materialize, [defs.resolve_assets_def(spec.target_key(target_name))],

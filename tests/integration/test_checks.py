@@ -36,6 +36,7 @@ from siphon_dagster.table_state import latest_check_results
 from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema
 from siphon_stack.process import free_port, start_process, stop_pid
+from tests.helpers.instance import instance_for_test
 
 SCHEMA_DDL = """
 create table {schema}.items (
@@ -211,7 +212,7 @@ def stack(tmp_path, postgres_dsn, nats_url, clickhouse_url, snowflake_env, uniqu
         wait_until(streaming, 60, "producer streaming")
         defs = build_definitions(config)
         specs = table_specs(config)
-        with dg.instance_for_test() as instance:
+        with instance_for_test() as instance:
             with source.connect(config.source.dsn) as connection:
                 for spec in specs:
                     size = source.table_size(connection, spec.table)

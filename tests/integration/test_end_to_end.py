@@ -22,6 +22,7 @@ from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.partitions import ranges_for
 from siphon_dagster.specs import table_specs
 from siphon_stack.process import free_port, start_process, stop_pid
+from tests.helpers.instance import instance_for_test
 
 SCHEMA_DDL = """
 create table {schema}.items (
@@ -184,7 +185,7 @@ def test_stream_and_snapshots_under_a_live_workload_converge_in_every_target(app
         defs = build_definitions(config)
         resources = build_resources(config)
         specs = table_specs(config)
-        with dg.instance_for_test() as instance:
+        with instance_for_test() as instance:
             # Snapshot every partition of every target, in random order, while the workload runs,
             # and apply the stream in between.
             work = []

@@ -18,6 +18,7 @@ from siphon_dagster.specs import table_specs
 from siphon_dagster.streaming.report import BatchReport
 from siphon_dagster.streaming.spark_session import get_spark_session
 from tests.helpers.application import Application
+from tests.helpers.instance import instance_for_test
 from tests.integration.test_streaming_consumer import consumer, make_target
 
 
@@ -39,7 +40,7 @@ def test_a_generated_column_is_left_out_by_the_snapshot_and_the_stream_alike(
     })
     [spec] = table_specs(config)
     key = ranges_for(1, spec.table.blocks_per_partition)[0].key
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         instance.add_dynamic_partitions(spec.partitions_def_name, [key])
         assert dg.materialize([build_definitions(config).resolve_assets_def(spec.target_key("clickhouse"))],
                               partition_key=key, instance=instance).success

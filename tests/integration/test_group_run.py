@@ -24,6 +24,7 @@ from siphon_dagster.streaming.report import BatchReport
 from siphon_dagster.streaming.schema import table_schema
 from siphon_dagster.streaming.spark_session import get_spark_session
 from siphon_dagster.streaming.strategy import RetryPolicy
+from tests.helpers.instance import instance_for_test
 from tests.integration.test_streaming_consumer import (
     STORY,
     STORY_ROWS,
@@ -117,7 +118,7 @@ def test_a_failing_table_stops_alone_and_the_others_of_the_run_converge(request,
                   table="bad")
     defs = build_definitions(config)
     job = defs.resolve_job_def("stream_clickhouse")
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         result = job.execute_in_process(instance=instance, raise_on_error=False,
                                         tags={"siphon/stream-tables": "public.notes,public.removed",
                                               "siphon/stream-tables-hash": "0000000000000000"},

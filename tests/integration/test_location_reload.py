@@ -19,6 +19,7 @@ from dagster._core.remote_representation.code_location import GrpcServerCodeLoca
 from siphon_core.config import CONFIG_VARIABLE
 from siphon_dagster.location_reload import CodeServerAddress, serving_code_server
 from siphon_stack.process import start_process, stop_pid, wait_until
+from tests.helpers.instance import instance_for_test
 from tests.integration.test_sensors import config, raw_config  # noqa: F401 - the fixture, and the file it loads
 
 LOCATION = "siphon_dagster"
@@ -69,7 +70,7 @@ def test_a_table_added_to_siphon_yaml_is_served_after_the_sensor_reloads_the_cod
         first_id = _server_id(origin)
         schema = unique_name
         newcomer, grows = f"clickhouse/{schema}/newcomer", f"clickhouse/{schema}/grows"
-        with dg.instance_for_test(temp_dir=str(home)) as instance:
+        with instance_for_test(temp_dir=str(home)) as instance:
             assert grows in _asset_keys(origin, instance)
             assert newcomer not in _asset_keys(origin, instance)
 

@@ -33,6 +33,7 @@ from siphon_dagster.partitions import ranges_for
 from siphon_dagster.specs import group_name, table_specs
 from siphon_stack.nats import PERMISSIONS, NatsServer
 from siphon_stack.process import free_port, stop_pid
+from tests.helpers.instance import instance_for_test
 from tests.helpers.nats_identities import Operator, new_seed, nkey_users_block
 from tests.helpers.producer import ProducerProcess, drop_application, producer_config
 from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
@@ -142,7 +143,7 @@ def test_each_side_streams_with_its_own_key_and_least_privileges(logins: Logins,
     try:
         producer.start(timeout=60)
         defs, specs = build_definitions(config), table_specs(config)
-        with dg.instance_for_test() as instance:
+        with instance_for_test() as instance:
             with source.connect(roles["reader"]) as connection:
                 size = source.table_size(connection, specs[0].table)
             keys = [r.key for r in ranges_for(size.blocks, specs[0].table.blocks_per_partition)]

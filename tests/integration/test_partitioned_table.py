@@ -18,6 +18,7 @@ from siphon_dagster.specs import table_specs
 from siphon_dagster.streaming.source_rows import SourceRowReader
 from siphon_dagster.streaming.spark_session import get_spark_session
 from tests.helpers.application import Application
+from tests.helpers.instance import instance_for_test
 from tests.helpers.producer import current_lsn, execute, slot_confirmed_lsn, wait_until
 from tests.integration.test_streaming_consumer import consumer, make_target
 
@@ -84,7 +85,7 @@ def test_a_partitioned_table_converges_through_snapshots_and_the_stream(
     [spec] = table_specs(config)
     keys = [block_range.key for block_range in ranges_for(size.blocks, BLOCKS_PER_PARTITION)]
     assert len(keys) >= 3
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         instance.add_dynamic_partitions(spec.partitions_def_name, keys)
         for key in keys:
             assert dg.materialize([defs.resolve_assets_def(spec.target_key(target_name))], partition_key=key,

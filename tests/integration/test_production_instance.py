@@ -14,6 +14,7 @@ from dagster._core.events import DagsterEventType
 from dagster_postgres.utils import pg_url_from_config
 
 from siphon_stack.postgres import PostgresServer
+from tests.helpers.instance import instance_for_test
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -49,7 +50,7 @@ def test_the_production_storage_stores_and_reads_a_runs_events(postgres_server: 
                                                               instance_database: str) -> None:
     storage = production_storage(postgres_server, instance_database)
     assert pg_url_from_config(storage["postgres"]).startswith("postgresql+psycopg2://")
-    with dg.instance_for_test(overrides={"storage": storage}) as instance:
+    with instance_for_test(overrides={"storage": storage}) as instance:
         run = instance.create_run_for_job(_probe)
         instance.report_engine_event("the storage holds this run's events", run)
         instance.report_run_canceled(run)

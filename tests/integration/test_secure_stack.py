@@ -36,6 +36,7 @@ from siphon_dagster.targets.clickhouse import ClickHouseTarget
 from siphon_dagster.targets.snowflake import SnowflakeTarget
 from siphon_stack import stack
 from siphon_stack.process import free_port
+from tests.helpers.instance import instance_for_test
 from tests.helpers.producer import ProducerProcess
 from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
 
@@ -135,7 +136,7 @@ def test_pipeline_through_tls_and_authentication_leaks_no_secret(secure_stack, s
         defs = build_definitions(config)
         resources = build_resources(config)
         specs = table_specs(config)
-        with dg.instance_for_test(temp_dir=str(dagster_home)) as instance:
+        with instance_for_test(temp_dir=str(dagster_home)) as instance:
             with source.connect(dsn) as connection:
                 for spec in specs:
                     size = source.table_size(connection, spec.table)

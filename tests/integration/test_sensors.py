@@ -39,6 +39,7 @@ from siphon_dagster.sensors import (
 )
 from siphon_dagster.specs import group_name, table_specs
 from siphon_dagster.stream_groups import ENDED_BY_INTERRUPT, ENDED_BY_TAG, stream_groups
+from tests.helpers.instance import instance_for_test
 from tests.helpers.processes import code_server_with_children
 
 
@@ -83,7 +84,7 @@ def partitions_tick(defs, config, instance, cursor=None):
 def test_partitions_first_tick_adds_every_range_and_observes_the_source(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         result = partitions_tick(defs, config, instance)
         keys = instance.get_dynamic_partitions(spec.partitions_def_name)
         with psycopg.connect(config.source.dsn) as connection:
@@ -101,7 +102,7 @@ def test_partitions_first_tick_adds_every_range_and_observes_the_source(config):
 def test_partitions_tick_with_nothing_new_requests_nothing(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         first = partitions_tick(defs, config, instance)
         keys = instance.get_dynamic_partitions(spec.partitions_def_name)
         second = partitions_tick(defs, config, instance, cursor=first.cursor)
@@ -112,7 +113,7 @@ def test_partitions_tick_with_nothing_new_requests_nothing(config):
 def test_a_table_whose_size_did_not_change_has_its_partitions_looked_up_only_every_observation_interval(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         first = partitions_tick(defs, config, instance)
         keys = instance.get_dynamic_partitions(spec.partitions_def_name)
         instance.delete_dynamic_partition(spec.partitions_def_name, keys[-1])  # by hand, at the instance
@@ -131,7 +132,7 @@ def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_on
     spec = table_specs(config)[0]
     per = spec.table.blocks_per_partition
     relation = sql.Identifier(spec.schema, "grows")
-    with dg.instance_for_test() as instance, psycopg.connect(config.source.dsn, autocommit=True) as connection:
+    with instance_for_test() as instance, psycopg.connect(config.source.dsn, autocommit=True) as connection:
         first = partitions_tick(defs, config, instance)
         blocks = json.loads(first.cursor)[spec.qualified_name]
         if blocks % per == 0:  # the last range is full: one block more, so that the next one fits in it
@@ -161,7 +162,7 @@ def test_a_table_that_grew_inside_its_last_range_has_its_partitions_looked_up_on
 def test_a_source_table_is_observed_again_when_its_columns_change_or_its_observation_is_old(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         first = partitions_tick(defs, config, instance)
         assert [o.asset_key for o in first.asset_events] == [spec.source_key]
         again = tick(defs, config, instance, "_partitions", cursor=first.cursor)
@@ -225,7 +226,7 @@ def test_a_tick_observes_at_most_its_number_of_source_tables_and_the_rest_at_the
         assert not result.dynamic_partitions_requests  # the tick added its partitions itself
         return result
 
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         first = limited_tick(instance, None)
         assert [o.asset_key for o in first.asset_events] == [specs[0].source_key]
         state = json.loads(first.cursor)
@@ -264,7 +265,7 @@ def test_a_tick_adds_partitions_within_its_budget_and_the_rest_at_the_next(postg
     def with_partitions(instance):
         return [spec.qualified_name for spec in specs if instance.get_dynamic_partitions(spec.partitions_def_name)]
 
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         cursor = None
         for count in (1, 2, 3, 3):
             result = partitions(dg.build_sensor_context(instance=instance, cursor=cursor,
@@ -280,7 +281,7 @@ def test_a_tick_adds_partitions_within_its_budget_and_the_rest_at_the_next(postg
 def test_partitions_tick_after_growth_adds_only_the_new_ranges(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         first = partitions_tick(defs, config, instance)
         before = set(instance.get_dynamic_partitions(spec.partitions_def_name))
         with psycopg.connect(config.source.dsn, autocommit=True) as connection:
@@ -306,7 +307,7 @@ def group_run(instance, config, status=dg.DagsterRunStatus.STARTED, tags=None, j
 
 def test_streaming_sensor_starts_a_run_when_none_is_alive(config):
     defs = build_definitions(config)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         result = tick(defs, config, instance, "_streaming")
         assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
         state = json.loads(result.cursor)[streaming_job_name(config)]
@@ -315,7 +316,7 @@ def test_streaming_sensor_starts_a_run_when_none_is_alive(config):
 
 def test_streaming_sensor_does_not_start_a_duplicate(config):
     defs = build_definitions(config)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         group_run(instance, config)
         result = tick(defs, config, instance, "_streaming")
         assert result.run_requests == []
@@ -352,7 +353,7 @@ def worker():
 def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
     defs = build_definitions(config)
     gone = gone_worker_identity()
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         dead = group_run(instance, config, tags={WORKER_TAG: gone})
         result = tick(defs, config, instance, "_streaming")
         assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
@@ -362,7 +363,7 @@ def test_streaming_sensor_replaces_a_run_whose_worker_process_is_gone(config):
 def test_a_run_whose_worker_went_while_it_was_being_canceled_is_marked_canceled_not_failed(config):
     defs = build_definitions(config)
     gone = gone_worker_identity()
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         canceling = group_run(instance, config, status=dg.DagsterRunStatus.CANCELING, tags={WORKER_TAG: gone})
         result = tick(defs, config, instance, "_streaming")
         assert [r.job_name for r in result.run_requests] == [streaming_job_name(config)]
@@ -372,7 +373,7 @@ def test_a_run_whose_worker_went_while_it_was_being_canceled_is_marked_canceled_
 
 def test_streaming_sensor_keeps_a_run_whose_worker_is_alive_or_on_another_host(config):
     defs = build_definitions(config)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         here = group_run(instance, config, tags={WORKER_TAG: worker_identity()})
         assert tick(defs, config, instance, "_streaming").run_requests == []
         instance.report_run_failed(here)
@@ -404,7 +405,7 @@ def _failed_runs(config, instance: dg.DagsterInstance, count: int, tags: dict[st
 
 
 def test_streaming_sensor_backs_off_after_repeated_failures_and_resumes_later(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         job_name = _failed_runs(config, instance, 4)
         result = tick(build_definitions(config), config, instance, "_streaming")
         assert result.run_requests == []
@@ -416,13 +417,13 @@ def test_streaming_sensor_backs_off_after_repeated_failures_and_resumes_later(co
 
 def test_runs_stopped_by_their_operator_are_no_streak_of_failures(config):
     stopped = {ENDED_BY_TAG: ENDED_BY_INTERRUPT}
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         # `dagster dev` stopped and started five times: a run starts at once.
         job_name = _failed_runs(config, instance, 5, stopped)
         result = tick(build_definitions(config), config, instance, "_streaming")
         assert [r.job_name for r in result.run_requests] == [job_name]
         assert json.loads(result.cursor)[job_name]["failures"] == 0
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         # Failures on either side of a stopped run still make a streak.
         _failed_runs(config, instance, 2)
         _failed_runs(config, instance, 1, stopped)
@@ -433,7 +434,7 @@ def test_runs_stopped_by_their_operator_are_no_streak_of_failures(config):
 
 
 def test_failures_of_an_earlier_session_do_not_hold_back_a_fresh_start(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         job_name = _failed_runs(config, instance, 8)
         # Two hours later (the runs ended "now"), the streak is forgotten and a run starts at once.
         result = _tick_at(config, instance, time.time() + 2 * FAILURE_MEMORY_SECONDS)
@@ -471,7 +472,7 @@ def test_streaming_sensor_records_the_pending_count(config):
     spec = table_specs(config)[0]
     publish_with_consumers(config, spec.schema, {spec.name: 3})
     defs = build_definitions(config)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         result = tick(defs, config, instance, "_streaming")
         assert json.loads(result.cursor)[streaming_job_name(config)]["pending"] == 3
 
@@ -486,7 +487,7 @@ def test_streaming_sensor_sums_each_groups_pending_over_its_own_tables_consumers
     config = parse_config(raw)
     publish_with_consumers(config, unique_name, {"hot": 2, "warm": 3, "cold": 1, "gone": 5})  # gone: not configured
     defs = build_definitions(config)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         cursor = json.loads(tick(defs, config, instance, "_streaming").cursor)
     assert cursor["stream_clickhouse__hot"]["pending"] == 2
     assert cursor["stream_clickhouse"]["pending"] == 3 + 1
@@ -496,7 +497,7 @@ def test_streaming_sensor_sums_each_groups_pending_over_its_own_tables_consumers
 def test_partitions_sensor_fails_a_snapshot_run_whose_worker_is_gone_and_keeps_a_live_one(config):
     defs = build_definitions(config)
     gone = gone_worker_identity()
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         dead = create_run_for_test(instance, job_name="__ASSET_JOB", status=dg.DagsterRunStatus.STARTED,
                                    tags={WORKER_TAG: gone, SNAPSHOT_RUN_TAG: "true"})
         live = create_run_for_test(instance, job_name="__ASSET_JOB", status=dg.DagsterRunStatus.STARTED,
@@ -509,7 +510,7 @@ def test_partitions_sensor_fails_a_snapshot_run_whose_worker_is_gone_and_keeps_a
 def test_a_snapshot_run_is_tagged_with_the_process_that_runs_it(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         partitions_tick(defs, config, instance)
         key = instance.get_dynamic_partitions(spec.partitions_def_name)[0]
         # The ClickHouse target here is unreachable: the run fails, after it tagged itself.
@@ -526,7 +527,7 @@ def test_a_table_without_a_primary_key_holds_back_no_other_table(config, postgre
     both = parse_config({**config.model_dump(), "tables": [t.model_dump() for t in config.tables]
                          + [{"name": f"{schema}.keyless"}]})
     defs = build_definitions(both)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         result = partitions_tick(defs, both, instance)
         assert [o.asset_key for o in result.asset_events] == [table_specs(both)[0].source_key]
         # The keyless table is refused, as the producer refuses it: no partitions for it, the other's go on.
@@ -552,7 +553,7 @@ def with_tables(config, names, groups=None):
 def test_first_tick_starts_one_run_per_target_and_group(config):
     grouped = with_tables(config, ["grows", "events", "orders"], groups={"hot": ["events"]})
     defs = build_definitions(grouped)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         result = tick(defs, grouped, instance, "_streaming")
         assert sorted(r.job_name for r in result.run_requests) == ["stream_clickhouse", "stream_clickhouse__hot"]
         schema = table_specs(grouped)[0].schema
@@ -571,7 +572,7 @@ def test_first_tick_starts_one_run_per_target_and_group(config):
 def test_a_run_serving_an_older_table_set_is_terminated_and_replaced_only_once_it_is_gone(config, worker):
     before = with_tables(config, ["grows", "events"])
     after = with_tables(config, ["grows", "events", "orders"])
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         old = group_run(instance, before, tags={WORKER_TAG: worker.identity})
         defs = build_definitions(after)
         first = tick(defs, after, instance, "_streaming")
@@ -593,7 +594,7 @@ def test_a_run_launched_by_a_code_server_a_reload_replaced_is_terminated_and_sta
         config, worker, monkeypatch):
     """Its worker serves the current table set (it loaded siphon.yaml after the change), but the
     code server that launched it lives on until it ends."""
-    with code_server_with_children() as (server, (replaced, current)), dg.instance_for_test() as instance:
+    with code_server_with_children() as (server, (replaced, current)), instance_for_test() as instance:
         # The sensor is evaluated by the code server now serving.
         monkeypatch.setattr(sensors, "replaced_launcher",
                             functools.partial(replaced_launcher, this_pid=current, parent_pid=server))
@@ -610,7 +611,7 @@ def test_a_run_launched_by_a_code_server_a_reload_replaced_is_terminated_and_sta
 
 
 def test_a_run_launched_by_the_code_server_now_serving_is_kept(config, worker, monkeypatch):
-    with code_server_with_children() as (server, (_, current)), dg.instance_for_test() as instance:
+    with code_server_with_children() as (server, (_, current)), instance_for_test() as instance:
         monkeypatch.setattr(sensors, "replaced_launcher",
                             functools.partial(replaced_launcher, this_pid=current, parent_pid=server))
         run = group_run(instance, config, tags={WORKER_TAG: worker.identity, LAUNCHER_TAG: worker_identity(current)})
@@ -621,7 +622,7 @@ def test_a_run_launched_by_the_code_server_now_serving_is_kept(config, worker, m
 def test_a_table_moved_to_another_group_waits_for_the_run_that_served_it(config):
     before = with_tables(config, ["grows", "events"])
     after = with_tables(config, ["grows", "events"], groups={"hot": ["events"]})
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         old = group_run(instance, before, tags={WORKER_TAG: worker_identity()})
         result = tick(build_definitions(after), after, instance, "_streaming")
         # Both new groups hold a table the old run still applies.
@@ -635,7 +636,7 @@ def test_a_table_moved_to_another_group_waits_for_the_run_that_served_it(config)
 def test_a_run_of_a_group_no_longer_configured_is_terminated(config):
     before = with_tables(config, ["grows", "events"], groups={"hot": ["events"]})
     after = with_tables(config, ["grows", "events"])
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         hot = group_run(instance, before, tags={WORKER_TAG: worker_identity()}, job_name="stream_clickhouse__hot")
         result = tick(build_definitions(after), after, instance, "_streaming")
         assert result.run_requests == []
@@ -647,7 +648,7 @@ def test_a_run_recorded_canceled_whose_worker_runs_on_holds_back_its_replacement
     worker stopped (a cancellation sent to a code server a reload replaced never reaches it): its
     tables' new run waits until that worker is gone."""
     defs = build_definitions(config)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         lingering = group_run(instance, config, tags={WORKER_TAG: worker.identity})
         instance.report_run_canceled(instance.get_run_by_id(lingering.run_id))
         result = tick(defs, config, instance, "_streaming")
@@ -663,7 +664,7 @@ def test_a_single_table_run_by_hand_holds_back_the_group_run(config, worker):
     defs = build_definitions(grouped)
     spec = table_specs(grouped)[1]
     single = defs.resolve_job_def(spec.stream_job_name("clickhouse"))
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         by_hand = create_run_for_test(instance, job_name=single.name, status=dg.DagsterRunStatus.STARTED,
                                       tags={**single.tags, WORKER_TAG: worker.identity})
         result = tick(defs, grouped, instance, "_streaming")
@@ -679,7 +680,7 @@ def test_a_single_table_run_by_hand_holds_back_the_group_run(config, worker):
 def test_a_single_table_run_refuses_to_start_while_a_group_run_serves_its_table(config):
     defs = build_definitions(config)
     spec = table_specs(config)[0]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         live = group_run(instance, config, tags={WORKER_TAG: worker_identity()})
         job = defs.resolve_job_def(spec.stream_job_name("clickhouse"))
         result = job.execute_in_process(instance=instance, raise_on_error=False,
@@ -697,7 +698,7 @@ def test_streaming_sensor_says_when_the_file_lists_tables_the_location_does_not_
     raw = raw_config(postgres_dsn, nats_url, unique_name)
     path.write_text(yaml.safe_dump(raw))
     defs = build_definitions(config, str(path))
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         quiet = tick(defs, config, instance, "_streaming")
         assert "siphon.yaml" not in json.loads(quiet.cursor)
 
@@ -761,7 +762,7 @@ def test_a_removed_tables_consumer_is_recorded_then_deleted_once_idle_and_the_ta
     gone_key = dg.AssetKey(naming.asset_key_path("clickhouse", schema, "Gone Ü-1"))
     only_kept = with_tables(config, ["kept"])
     start = time.time()
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         # A run of the old table set still serves the removed table: nothing is recorded yet.
         old_run = group_run(instance, both)
         first = _sweep_tick(only_kept, instance, start, None)
@@ -810,7 +811,7 @@ def _one_of_two_removed(config, kept: str, removed: str):
 def test_a_table_added_again_is_rebuilt_even_when_the_sensors_cursor_was_reset_meanwhile(config):
     both, schema, only_kept = _one_of_two_removed(config, "kept", "back")
     start = time.time()
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         _sweep_tick(only_kept, instance, start, None)  # the removal is recorded on the asset
         key = dg.AssetKey(naming.asset_key_path("clickhouse", schema, "back"))
         assert "no longer replicated" in instance.fetch_observations(key, limit=1).records[0].asset_observation.description
@@ -828,7 +829,7 @@ def test_a_reset_cursor_reads_the_tables_removal_records_a_few_tables_a_tick(con
     monkeypatch.setattr(sensors, "REMOVAL_READS_PER_TICK", 1)
     both, schema, only_early = _one_of_two_removed(config, "early", "late")
     start = time.time()
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         _sweep_tick(only_early, instance, start, None)  # the removal of `late` is recorded on its asset
         group_run(instance, both)
         # A lost cursor: each quiet tick reads one table's records, in the order of their ids.

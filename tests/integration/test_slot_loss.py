@@ -36,6 +36,7 @@ from siphon_dagster.targets.base import TableSchema
 from siphon_stack.postgres import PostgresServer, find_bindir
 from siphon_stack.process import free_port
 from tests.helpers.application import Application, rows_as_text
+from tests.helpers.instance import instance_for_test
 from tests.helpers.producer import current_lsn, execute, wait_until
 from tests.integration.test_checks import Streaming
 from tests.integration.test_targets_version_rule import target_settings
@@ -140,7 +141,7 @@ def test_a_slot_dropped_while_the_producer_was_down_is_recorded_and_every_table_
 
     config = dagster_config(app)
     jobs = placeholder_resyncs(config)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         first = tick(config, instance, jobs)
         assert sorted(r.tags[RESYNC_TAG] for r in first.run_requests) == sorted(app.qualified(t) for t in TABLES)
         assert {r.job_name for r in first.run_requests} == {jobs.job_name}
@@ -167,7 +168,7 @@ def test_a_slot_dropped_while_the_producer_was_down_is_recorded_and_every_table_
         # The sequence found by scanning the assets is kept: the next tick reads on from it.
         assert context.cursor == str(resumed_sequence)
 
-    with dg.instance_for_test() as fresh:
+    with instance_for_test() as fresh:
         # Until every table can be rebuilt the gap waits, and is not consumed.
         waiting = tick(config, fresh, placeholder_resyncs(config, table_specs(config)[:1]))
         assert isinstance(waiting, dg.SkipReason) and "no resync job" in waiting.skip_message
@@ -423,7 +424,7 @@ def test_a_lost_slot_under_a_live_writer_is_rebuilt_by_the_gap_sensors_resyncs_u
     producer = app.producer(E2E_TABLES)
     writer = Writer(app)
     streaming = Streaming(config_path)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         # Loaded and streaming under a live writer (the snapshots and the stream meet by the apply rule).
         writer.thread.start()
         streaming.start()

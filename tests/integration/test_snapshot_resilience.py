@@ -29,6 +29,7 @@ from siphon_dagster.specs import table_specs
 from siphon_dagster.targets import build_target
 from siphon_stack.process import free_port, port_accepts, start_process, stop_pid
 from tests.helpers.application import Application
+from tests.helpers.instance import instance_for_test
 from tests.helpers.producer import execute, wait_until
 from tests.integration.test_targets_version_rule import target_settings
 
@@ -184,12 +185,7 @@ def test_a_snapshot_waiting_for_an_open_transaction_names_it_then_fails_at_its_l
         defs = build_definitions(config)
         spec_key = dg.AssetKey(["clickhouse", app.schema, "held"])
         asset = defs.resolve_assets_def(spec_key)
-        # The run's output is captured as the project's dagster.yaml captures it: Dagster's default
-        # starts `tail` and watcher processes per step and waits up to 30 s for each to end, which
-        # once held this run's end past the minute it is given.
-        logs = {"compute_logs": {"module": "siphon_dagster.compute_logs", "class": "FileComputeLogManager",
-                                 "config": {"base_dir": str(tmp_path / "logs")}}}
-        with dg.instance_for_test(overrides=logs) as instance:
+        with instance_for_test() as instance:
             instance.add_dynamic_partitions(table_specs(config)[0].partitions_def_name, [key])
             results: list[dg.ExecuteInProcessResult] = []
             run = threading.Thread(target=lambda: results.append(
@@ -217,7 +213,7 @@ def test_a_snapshot_waiting_for_an_open_transaction_names_it_then_fails_at_its_l
         limited = load_config(_write_config(tmp_path, app, request, "held", "clickhouse",
                                             snapshot_wait_limit_seconds=6))
         asset = build_definitions(limited).resolve_assets_def(spec_key)
-        with dg.instance_for_test() as instance:
+        with instance_for_test() as instance:
             instance.add_dynamic_partitions(table_specs(config)[0].partitions_def_name, [key])
             started = time.monotonic()
             result = dg.materialize([asset], partition_key=key, instance=instance, raise_on_error=False)

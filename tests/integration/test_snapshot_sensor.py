@@ -26,6 +26,7 @@ from siphon_dagster.snapshot_sensor import (
 from siphon_dagster.specs import table_specs
 from siphon_dagster.stream_groups import stream_groups
 from siphon_dagster.targets.clickhouse import ClickHouseTarget
+from tests.helpers.instance import instance_for_test
 
 
 def make_config(postgres_dsn, nats_url, clickhouse_url, schema, **snapshots):
@@ -125,7 +126,7 @@ def state(result):
 
 
 def test_first_tick_requests_every_partition_of_a_new_table_even_when_the_stream_made_its_table(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         target = harness.target()
         try:
@@ -149,18 +150,18 @@ def test_a_tick_that_requests_loads_gives_the_target_pool_its_default_limit_and_
     """The run queue holds a pool's runs only once it knows the pool's limit: set before the
     first loads queue, they start two at a time instead of all at once."""
     pool = snapshot_pool("clickhouse")
-    with dg.instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 2}}}) as instance:
+    with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 2}}}) as instance:
         assert pool not in instance.event_log_storage.get_concurrency_keys()
         assert Harness(config, instance).tick().run_requests
         assert instance.event_log_storage.get_concurrency_info(pool).slot_count == 2
-    with dg.instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 2}}}) as instance:
+    with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 2}}}) as instance:
         instance.event_log_storage.set_concurrency_slots(pool, 5)
         assert Harness(config, instance).tick().run_requests
         assert instance.event_log_storage.get_concurrency_info(pool).slot_count == 5
 
 
 def test_the_daemon_accepts_requests_for_partitions_the_tick_added(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         repository = harness.defs.get_repository_def()
         # As the daemon's code server builds it: from the instance's ref, so that partition keys
@@ -177,7 +178,7 @@ def test_the_daemon_accepts_requests_for_partitions_the_tick_added(config):
 
 
 def test_runs_of_the_load_in_progress_are_not_requested_twice(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         first = harness.tick()
         for request in first.run_requests:  # submitted by the daemon, not started yet
@@ -189,7 +190,7 @@ def test_runs_of_the_load_in_progress_are_not_requested_twice(config):
 
 
 def test_a_new_table_loads_by_itself_equal_to_the_source_and_then_nothing_is_requested(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         first = harness.tick()
         assert first.run_requests
@@ -216,7 +217,7 @@ def source_rows(dsn, table):
 
 
 def test_a_table_loaded_by_hand_is_not_reloaded(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         with psycopg.connect(config.source.dsn) as connection:
             blocks = source.table_size(connection, harness.spec.table).blocks
@@ -233,7 +234,7 @@ def test_a_table_loaded_by_hand_is_not_reloaded(config):
 
 
 def test_a_failed_range_is_retried_per_partition_up_to_the_limit_then_shown_failed(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         harness.tick()  # adds the partitions and asks for the load
         keys = harness.keys
@@ -261,7 +262,7 @@ def test_a_failed_range_is_retried_per_partition_up_to_the_limit_then_shown_fail
 
 
 def test_a_partition_that_succeeds_on_retry_completes_the_load(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         first = harness.tick()
         outcomes = [harness.run(request, broken=index == 0) for index, request in enumerate(first.run_requests)]
@@ -273,7 +274,7 @@ def test_a_partition_that_succeeds_on_retry_completes_the_load(config):
 
 
 def test_a_table_missing_at_the_target_is_loaded_again(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         first = harness.load_everything()
         harness.drop_at_target()
@@ -283,7 +284,7 @@ def test_a_table_missing_at_the_target_is_loaded_again(config):
 
 
 def test_a_table_dropped_by_the_operator_is_loaded_again_even_if_the_stream_made_it_anew(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         harness.load_everything()
         target = harness.target()
@@ -302,7 +303,7 @@ def test_a_table_dropped_by_the_operator_is_loaded_again_even_if_the_stream_made
 
 def test_a_drop_loads_again_the_ranges_filled_after_the_load_too(config):
     """A range the table grew into after its load holds rows only the stream wrote: a drop took them too."""
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         harness.load_everything()
         loaded = set(harness.keys)
@@ -322,7 +323,7 @@ def test_a_drop_loads_again_the_ranges_filled_after_the_load_too(config):
 
 
 def test_a_settled_table_is_looked_at_again_after_its_interval_or_at_once_when_an_event_wakes_it(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance, settled_look_seconds=2.0)
         first = harness.tick()
         assert "settled_at" not in harness.entry()  # a load is asked for: looked at every tick
@@ -368,7 +369,7 @@ def test_a_settled_table_is_looked_at_again_after_its_interval_or_at_once_when_a
 
 
 def test_more_events_than_a_tick_reads_wake_every_settled_table(config, monkeypatch):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance, settled_look_seconds=600.0)
         harness.load_everything()
         settled_at = harness.entry()["settled_at"]
@@ -398,7 +399,7 @@ def test_new_tables_whose_partitions_a_tick_had_no_time_to_add_are_loaded_from_t
     both, specs, defs = with_a_second_table(config, postgres_dsn)
     monkeypatch.setattr(snapshot_sensor, "ADD_PARTITIONS_SECONDS", 0.0)
     sensor = build_snapshot_sensor(specs, "test", both.snapshots)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         def tick(cursor):
             return sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
                                                   definitions=defs))
@@ -418,7 +419,7 @@ def test_new_tables_whose_partitions_a_tick_had_no_time_to_add_are_loaded_from_t
 def test_a_tick_out_of_time_leaves_the_next_tables_to_the_next_tick(config, postgres_dsn, monkeypatch):
     both, specs, defs = with_a_second_table(config, postgres_dsn)
     sensor = build_snapshot_sensor(specs, "test", both.snapshots, tick_budget_seconds=0)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         read_partitions = instance.get_dynamic_partitions
         partitions_read: list[str] = []
 
@@ -454,7 +455,7 @@ def test_a_first_start_looks_at_new_tables_within_the_budget_and_adds_every_part
 
     monkeypatch.setattr(snapshot_sensor, "_tick_table", slow_look)
     sensor = build_snapshot_sensor(specs, "test", both.snapshots, tick_budget_seconds=0.2)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         first = sensor(dg.build_sensor_context(instance=instance, resources=build_resources(both), definitions=defs))
         # Both tables are new: the first is looked at (a load asked for), the second waits, and
         # both get their partitions now.
@@ -468,7 +469,7 @@ def test_a_first_start_looks_at_new_tables_within_the_budget_and_adds_every_part
 
 def test_an_unreachable_target_requests_nothing_and_fails_no_tick(config, postgres_dsn, nats_url):
     unreachable = make_config(postgres_dsn, nats_url, "http://127.0.0.1:1", config.application_identifier)
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(unreachable, instance)
         result = harness.tick()
         assert result.run_requests == [] and state(result) == "not loaded"
@@ -476,7 +477,7 @@ def test_an_unreachable_target_requests_nothing_and_fails_no_tick(config, postgr
 
 
 def test_the_state_shows_streaming_lag_and_check_results(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         harness.tick()
         instance.report_runless_asset_event(dg.AssetMaterialization(
@@ -497,7 +498,7 @@ def test_the_state_shows_streaming_lag_and_check_results(config):
 
 
 def test_a_run_starting_records_no_state_until_it_runs(config):
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         harness = Harness(config, instance)
         assert harness.tick().asset_events[0].metadata["siphon/streaming"].value == "not running"
         group = next(g for g in stream_groups(config, table_specs(config)) if g.target == "clickhouse")
@@ -516,7 +517,7 @@ def test_a_tick_records_at_most_its_number_of_states_and_the_rest_at_the_next(co
     both, specs, defs = with_a_second_table(config, postgres_dsn)
     sensor = build_snapshot_sensor(specs, "test", both.snapshots, state_events_per_tick=1)
     names = [f"clickhouse:{spec.qualified_name}" for spec in specs]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         def tick(cursor):
             return sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=build_resources(both),
                                                   definitions=defs))
@@ -553,7 +554,7 @@ def test_a_table_new_at_its_target_made_by_the_stream_wakes_no_sensor(app, click
     job, op = stream_job_of(config, runner, app.schema)
     app.sql("insert into {schema}.items values (1, 'first')")
     app.wait_for_events(1, "items")
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         result = job.execute_in_process(run_config={"ops": {op: {"config": {"stop_when_drained": True}}}},
                                         instance=instance)
         assert result.success
@@ -593,7 +594,7 @@ def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(a
         return [entry.dagster_event.event_specific_data.asset_observation
                 for entry in instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION)]
 
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         # The presence check is minutes away, and a settled table is looked at every tick here.
         harness = Harness(config, instance, table_check_seconds=600, settled_look_seconds=0)
         harness.load_everything()

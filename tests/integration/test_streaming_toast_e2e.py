@@ -17,6 +17,7 @@ from siphon_dagster.definitions import build_definitions, build_resources
 from siphon_dagster.partitions import ranges_for
 from siphon_dagster.specs import table_specs
 from siphon_stack.process import free_port, start_process, stop_pid
+from tests.helpers.instance import instance_for_test
 from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
 
 
@@ -59,7 +60,7 @@ def test_toasted_values_survive_key_updates(order, tmp_path, postgres_dsn, nats_
                 return False
 
         wait_until(streaming, 60, "producer streaming")
-        with dg.instance_for_test() as instance:
+        with instance_for_test() as instance:
             with source.connect(config.source.dsn) as connection:
                 keys = [r.key for r in ranges_for(source.table_size(connection, spec.table).blocks, 8192)]
             instance.add_dynamic_partitions(spec.partitions_def_name, keys)

@@ -14,6 +14,7 @@ from siphon_dagster.checks.command import status_line
 from siphon_dagster.checks.outcome import loading, result
 from siphon_dagster.status import TableStatus, problems
 from siphon_dagster.table_state import latest_check_results, snapshot_runs_in_progress
+from tests.helpers.instance import instance_for_test
 
 ITEMS = dg.AssetKey(["clickhouse", "public", "items"])
 OTHER = dg.AssetKey(["clickhouse", "public", "other"])
@@ -27,7 +28,7 @@ def add_run(instance: dg.DagsterInstance, status: dg.DagsterRunStatus, assets: s
 
 
 def test_only_in_progress_runs_writing_ranges_of_the_asset_count_as_its_load() -> None:
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         partition = add_run(instance, dg.DagsterRunStatus.STARTED, {ITEMS}, {PARTITION_NAME_TAG: "00000000-00000015"})
         queued = add_run(instance, dg.DagsterRunStatus.NOT_STARTED, {ITEMS, OTHER},
                          {ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "b"})

@@ -17,6 +17,7 @@ from siphon_dagster.sensors import (
 )
 from siphon_dagster.specs import table_specs
 from siphon_dagster.stream_groups import APPLICATION_TAG, lingering_streaming_runs, stream_groups
+from tests.helpers.instance import instance_for_test
 
 CONFIG = parse_config({
     "application_identifier": "shop",
@@ -33,7 +34,7 @@ def test_an_ended_run_whose_worker_runs_on_is_interrupted_then_killed() -> None:
     worker = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, text=True)
     try:
         assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
-        with dg.instance_for_test() as instance:
+        with instance_for_test() as instance:
             lingering = create_run_for_test(instance, job_name=group.job_name, status=dg.DagsterRunStatus.CANCELED,
                                             tags={**group.tags, WORKER_TAG: worker_identity(worker.pid)})
             # Ended runs whose workers are gone, or not tagged, are not lingering.

@@ -8,6 +8,7 @@ import threading
 import dagster as dg
 
 from siphon_dagster.op_events import OpEvents
+from tests.helpers.instance import instance_for_test
 
 TABLES = [dg.AssetKey(["clickhouse", "public", f"t{index}"]) for index in range(4)]
 EVENTS_PER_THREAD = 40
@@ -43,7 +44,7 @@ def reporting_job() -> None:
 
 
 def test_every_event_reaches_the_event_log_and_none_is_held_until_the_op_ends():
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         result = reporting_job.execute_in_process(instance=instance)
         assert result.success
         [line] = [entry.user_message for entry in instance.all_logs(result.run_id)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dagster as dg
-
 from siphon_dagster.snapshot.pool_slots import UNLIMITED_POOL_PARALLEL, extra_slots
+from tests.helpers.instance import instance_for_test
 
 POOL = "siphon_snapshot_clickhouse"
 
 
 def _instance(limit: int | None):
     overrides = {"concurrency": {"pools": {"default_limit": limit}}} if limit is not None else {}
-    return dg.instance_for_test(overrides=overrides)
+    return instance_for_test(overrides=overrides)
 
 
 def _holding(instance, *runs: str):

@@ -4,11 +4,12 @@ latest results, read a chunk of tables at a time from a real (SQLite) Dagster in
 import dagster as dg
 
 from siphon_dagster.snapshot_sensor import LatestChecks, RecordedAssets, materialized_assets, was_at_target
+from tests.helpers.instance import instance_for_test
 
 
 def test_each_asset_is_answered_from_its_chunk_read_as_the_tick_reaches_it() -> None:
     keys = [dg.AssetKey(["clickhouse", "public", f"t{i}"]) for i in range(RecordedAssets.CHUNK * 2 + 5)]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         instance.report_runless_asset_event(dg.AssetObservation(asset_key=keys[1]))
         instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=keys[RecordedAssets.CHUNK + 3]))
         recorded = RecordedAssets(instance, keys)
@@ -34,7 +35,7 @@ def test_each_assets_checks_are_answered_by_name_from_its_chunk() -> None:
         instance.report_runless_asset_event(dg.AssetCheckEvaluation(
             asset_key=key, check_name=name, passed=passed, severity=dg.AssetCheckSeverity.WARN))
 
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         evaluate(keys[0], "row_count", True)
         evaluate(keys[0], "row_count", False)  # the latest counts
         evaluate(keys[1], "schema_parity", True)
@@ -56,7 +57,7 @@ def test_each_assets_checks_are_answered_by_name_from_its_chunk() -> None:
 
 def test_materialized_assets_answers_as_was_at_target_does_for_each() -> None:
     keys = [dg.AssetKey(["clickhouse", "public", f"t{i}"]) for i in range(6)]
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         instance.report_runless_asset_event(dg.AssetObservation(asset_key=keys[0]))  # observed, never materialized
         instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=keys[1]))
         instance.report_runless_asset_event(dg.AssetObservation(asset_key=keys[2]))

@@ -1,7 +1,6 @@
 """Resync job names, connection-failure classification, wait reports, partition selection and
 tombstone batches: the parts of resync, repair and resilient snapshots that need no server."""
 
-import dagster as dg
 import pytest
 
 from siphon_core import naming
@@ -15,6 +14,7 @@ from siphon_dagster.repair import _tombstones
 from siphon_dagster.snapshot.blockers import BlockingBackend, SnapshotWaitLimitError, WaitReport
 from siphon_dagster.snapshot.load import is_connection_failure
 from siphon_dagster.targets.base import SourceColumn, TableSchema, TargetError, change_batch_schema
+from tests.helpers.instance import instance_for_test
 from tests.unit.test_definitions import config
 
 
@@ -79,7 +79,7 @@ def test_a_wait_report_names_each_blocking_backend():
 
 def test_partition_selections_are_checked_against_the_instance():
     spec = runs.find_spec(config(), "audit.events")
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         with pytest.raises(runs.SelectionError, match="no partitions yet"):
             runs.partition_spans(instance, spec, "all")
         keys = ["00000000-00000127", "00000128-00000255", "00000256-00000383", "00000384-00000511"]

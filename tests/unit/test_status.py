@@ -20,6 +20,7 @@ from siphon_dagster.specs import table_specs
 from siphon_dagster.status import read_statuses, render_json, render_lines, summary_line
 from siphon_dagster.stream_groups import stream_groups
 from siphon_dagster.table_state import STREAM_STOPPED
+from tests.helpers.instance import instance_for_test
 
 CONFIG = {
     "application_identifier": "shop",
@@ -68,7 +69,7 @@ def recorded(tmp_path: Path):
     config = parse_config(CONFIG)
     specs = specs_by_name(config)
     groups = {group.job_name: group for group in stream_groups(config, list(specs.values()))}
-    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+    with instance_for_test(temp_dir=str(tmp_path)) as instance:
         live = add_run(instance, groups["stream_clickhouse"].tags, worker_identity())
         add_run(instance, groups["stream_clickhouse__hot"].tags, dead_worker())
         add_run(instance, groups["stream_snowflake"].tags, None, dg.DagsterRunStatus.STARTING)
@@ -201,7 +202,7 @@ def test_a_run_is_judged_on_its_own_batches_and_stops(tmp_path: Path):
     def stream_clickhouse() -> None:
         serve()
 
-    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+    with instance_for_test(temp_dir=str(tmp_path)) as instance:
         assert stream_clickhouse.execute_in_process(instance=instance).success
         assert seen == {"public.notes": ["behind", "stalled"], "public.events": ["its stream stopped"]}
         add_run(instance, group.tags, worker_identity())  # the run that serves them now

@@ -8,6 +8,7 @@ from siphon_dagster.specs import table_specs
 from siphon_dagster.stream_groups import stream_groups, tables_hash
 from siphon_dagster.streaming.materializations import MaterializationLimiter
 from siphon_dagster.streaming.report import BatchReport
+from tests.helpers.instance import instance_for_test
 
 BASE = {
     "application_identifier": "shop",
@@ -179,7 +180,7 @@ def test_the_tables_streaming_are_read_off_the_group_runs_and_single_table_drain
     specs = table_specs(config)
     groups = {g.job_name: g for g in stream_groups(config, specs)}
     notes = next(spec for spec in specs if spec.qualified_name == "public.notes")
-    with dg.instance_for_test() as instance:
+    with instance_for_test() as instance:
         for job, status in (("stream_clickhouse", dg.DagsterRunStatus.STARTED),
                             ("stream_snowflake__hot", dg.DagsterRunStatus.STARTING),
                             ("stream_snowflake", dg.DagsterRunStatus.SUCCESS)):  # ended: serves nothing

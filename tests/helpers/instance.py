@@ -1,0 +1,31 @@
+"""A temporary Dagster instance that keeps runs' output as the project's `dagster.yaml` does.
+
+Dagster's default compute log manager mirrors each captured stream through a `tail -F` process
+and a watcher, and a capture's end waits up to 30 s for each to stop. A test process whose SIGTERM
+is ignored when one starts (Dagster points SIGTERM at SIGINT's handler, which a test runner or an
+earlier test may have left at "ignore") hands that on to the `tail`, which then outlives the test
+and holds up its run for a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import dagster as dg
+
+FILE_COMPUTE_LOGS = {"module": "siphon_dagster.compute_logs", "class": "FileComputeLogManager"}
+
+
+@contextmanager
+def instance_for_test(overrides: dict[str, Any] | None = None, temp_dir: str | None = None) -> Iterator[dg.DagsterInstance]:
+    """`dagster.instance_for_test`, with runs' output kept by `FileComputeLogManager` under the
+    instance's storage directory unless `overrides` names a compute log manager."""
+    with ExitStack() as stack:
+        root = temp_dir or stack.enter_context(tempfile.TemporaryDirectory())
+        logs = {**FILE_COMPUTE_LOGS, "config": {"base_dir": os.path.join(root, "storage")}}
+        settings = {"compute_logs": logs, **(overrides or {})}
+        yield stack.enter_context(dg.instance_for_test(overrides=settings, temp_dir=root))
