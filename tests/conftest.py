@@ -19,7 +19,24 @@ from siphon_stack.postgres import PostgresServer, find_bindir
 from siphon_stack.process import free_port, port_accepts, start_process, stop_pid, wait_until
 from siphon_stack.snowflake import FakesnowServer
 from tests.helpers.application import Application
+from tests.helpers.processes import children
 from tests.helpers.producer import execute
+
+# These end with the Python process that started them, by design: multiprocessing's resource
+# tracker, and the JVM of the local Spark session a process keeps for its life (its gateway exits
+# when its standard input closes).
+_LEFT_BY_DESIGN = ("multiprocessing.resource_tracker", "org.apache.spark.deploy.SparkSubmit")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """Fails the session's last test when a process the tests started outlives every fixture
+    (autouse and session-wide, this is set up first and ended last): such a process outlives the
+    suite too, as Dagster's `tail` processes once did."""
+    yield
+    left = [f"{pid}: {command}" for pid, command in children(os.getpid())
+            if not any(marker in command for marker in _LEFT_BY_DESIGN)]
+    assert not left, "processes the tests left running:\n" + "\n".join(left)
 
 
 @pytest.fixture(scope="session")

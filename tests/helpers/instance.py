@@ -2,9 +2,9 @@
 
 Dagster's default compute log manager mirrors each captured stream through a `tail -F` process
 and a watcher, and a capture's end waits up to 30 s for each to stop. A test process whose SIGTERM
-is ignored when one starts (Dagster points SIGTERM at SIGINT's handler, which a test runner or an
-earlier test may have left at "ignore") hands that on to the `tail`, which then outlives the test
-and holds up its run for a minute.
+is ignored when one starts (Dagster points SIGTERM at SIGINT's handler, and a test run started in
+the background of a shell has SIGINT ignored) hands that on to the `tail`, which then outlives the
+test and holds up its run for a minute.
 """
 
 from __future__ import annotations

@@ -20,6 +20,24 @@ def alive(pid: int) -> bool:
         return False
 
 
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each live process whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                state, parent = stat.read().rsplit(") ", 1)[1].split()[:2]
+            if int(parent) != pid or state == "Z":
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                found.append((int(entry), cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()))
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
 # A stand-in for `dagster code-server start`, as its command line reads, that starts children
 # which stand in for the code servers it serves (one current, the others replaced by reloads).
 _CODE_SERVER = """
