@@ -13,11 +13,23 @@ import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import yaml
 
-FILE_COMPUTE_LOGS = {"module": "siphon_dagster.compute_logs", "class": "FileComputeLogManager"}
+
+def _compute_logs(root: str) -> dict[str, Any]:
+    return {"module": "siphon_dagster.compute_logs", "class": "FileComputeLogManager",
+            "config": {"base_dir": os.path.join(root, "storage")}}
+
+
+def write_instance_yaml(home: Path) -> None:
+    """A `dagster.yaml` in `home` (a test's DAGSTER_HOME, for the CLI or `DagsterInstance.get`)
+    that keeps runs' output the same way, and sends no telemetry."""
+    settings = {"telemetry": {"enabled": False}, "compute_logs": _compute_logs(str(home))}
+    (home / "dagster.yaml").write_text(yaml.safe_dump(settings))
 
 
 @contextmanager
@@ -26,6 +38,5 @@ def instance_for_test(overrides: dict[str, Any] | None = None, temp_dir: str | N
     instance's storage directory unless `overrides` names a compute log manager."""
     with ExitStack() as stack:
         root = temp_dir or stack.enter_context(tempfile.TemporaryDirectory())
-        logs = {**FILE_COMPUTE_LOGS, "config": {"base_dir": os.path.join(root, "storage")}}
-        settings = {"compute_logs": logs, **(overrides or {})}
+        settings = {"compute_logs": _compute_logs(root), **(overrides or {})}
         yield stack.enter_context(dg.instance_for_test(overrides=settings, temp_dir=root))

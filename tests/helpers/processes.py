@@ -11,29 +11,33 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie waiting for its parent counts as gone)."""
+def _state_and_parent(pid: int) -> tuple[str, int] | None:
+    """The process's state letter and its parent's pid; None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+            state, parent = stat.read().rsplit(") ", 1)[1].split()[:2]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return state, int(parent)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting for its parent counts as gone)."""
+    status = _state_and_parent(pid)
+    return status is not None and status[0] != "Z"
 
 
 def children(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of each live process whose parent is `pid`."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        status = _state_and_parent(int(entry))
+        if status is None or status[1] != pid or status[0] == "Z":
             continue
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                state, parent = stat.read().rsplit(") ", 1)[1].split()[:2]
-            if int(parent) != pid or state == "Z":
-                continue
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
                 found.append((int(entry), cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()))
-        except (OSError, ValueError):
+        except (FileNotFoundError, ProcessLookupError):
             continue  # gone meanwhile
     return found
 

@@ -22,7 +22,7 @@ import yaml
 
 from siphon_stack import stack
 from siphon_stack.process import free_port
-from tests.helpers.instance import FILE_COMPUTE_LOGS
+from tests.helpers.instance import write_instance_yaml
 from tests.helpers.producer import drop_application
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def run_case(secured: dict[str, str], index: int, argv: list[str], fault: Fault,
     keys.write_text("1\n")
     home = directory / "dagster_home"
     home.mkdir()
-    (home / "dagster.yaml").write_text(yaml.safe_dump({"telemetry": {"enabled": False}, "compute_logs": FILE_COMPUTE_LOGS}))
+    write_instance_yaml(home)
     command = [str(keys) if word == "KEYS" else word for word in argv]
     at = len(PRODUCER) if producer else len(DAGSTER)
     command[at:at] = ["--config", str(path)]

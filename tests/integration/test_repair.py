@@ -19,7 +19,7 @@ from siphon_dagster.repair import RepairError, repair_keys
 from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema
 from tests.helpers.application import Application
-from tests.helpers.instance import FILE_COMPUTE_LOGS
+from tests.helpers.instance import write_instance_yaml
 from tests.integration.test_targets_version_rule import target_settings
 
 ODD = 'we"ird t.able'
@@ -43,7 +43,7 @@ def odd_table(request: pytest.FixtureRequest, app: Application, tmp_path: Path,
     }))
     home = tmp_path / "dagster_home"
     home.mkdir()
-    (home / "dagster.yaml").write_text(yaml.safe_dump({"telemetry": {"enabled": False}, "compute_logs": FILE_COMPUTE_LOGS}))
+    write_instance_yaml(home)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     return path
 

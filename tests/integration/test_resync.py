@@ -28,7 +28,7 @@ from siphon_dagster.specs import group_name
 from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema, Target
 from siphon_stack.process import free_port, start_process, stop_pid
-from tests.helpers.instance import FILE_COMPUTE_LOGS
+from tests.helpers.instance import write_instance_yaml
 from tests.helpers.producer import drop_application
 from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
 from tests.integration.test_targets_version_rule import target_settings
@@ -180,8 +180,7 @@ def test_resync_rebuilds_every_target_under_a_live_stream_without_an_empty_view(
         wait_until(streaming, 60, "producer streaming")
         home = tmp_path / "dagster_home"
         home.mkdir()
-        logs = {**FILE_COMPUTE_LOGS, "config": {"base_dir": str(home / "storage")}}
-        (home / "dagster.yaml").write_text(yaml.safe_dump({"telemetry": {"enabled": False}, "compute_logs": logs}))
+        write_instance_yaml(home)
         with dg.DagsterInstance.from_config(str(home)) as instance:
             # Converged and streaming: every partition snapshotted, the stream applied.
             runs.refresh_partitions(instance, config, specs)
