@@ -79,13 +79,7 @@ class ProducerProcess:
         return self
 
     def health(self) -> tuple[int, dict[str, Any]] | None:
-        try:
-            with urllib.request.urlopen(f"{self.metrics_url}/healthz", timeout=1) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read() or b"{}")
-        except OSError:
-            return None
+        return producer_health(self.config["producer"]["metrics_port"])
 
     def wait_streaming(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -138,6 +132,23 @@ class ProducerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def producer_health(metrics_port: int) -> tuple[int, dict[str, Any]] | None:
+    """The status and body of a producer's /healthz, or None while nothing answers on the port."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=1) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+    except OSError:
+        return None
+
+
+def producer_streaming(metrics_port: int) -> bool:
+    """Whether the producer serving metrics on the port says it is streaming (/healthz is 200)."""
+    health = producer_health(metrics_port)
+    return health is not None and health[0] == 200
 
 
 def execute(dsn: str, query: str | sql.Composable, params: Any = None) -> list[tuple[Any, ...]]:

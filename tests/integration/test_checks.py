@@ -12,7 +12,6 @@ import random
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 
 import dagster as dg
@@ -37,6 +36,7 @@ from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema
 from siphon_stack.process import free_port, start_process, stop_pid
 from tests.helpers.instance import instance_for_test
+from tests.helpers.producer import producer_streaming, wait_until
 
 SCHEMA_DDL = """
 create table {schema}.items (
@@ -131,15 +131,6 @@ class Streaming:
         assert self.process.exitcode == 0, f"the streaming process exited with {self.process.exitcode}: {why}"
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
-
-
 def a_commit_waits_for_the_standby(dsn: str, admin: psycopg.Connection, scratch: sql.Composable) -> bool:
     """Whether a commit now waits for the (absent) synchronous standby. A session's own setting is
     not enough: commits wait only once the checkpointer has read the reloaded configuration too,
@@ -201,15 +192,7 @@ def stack(tmp_path, postgres_dsn, nats_url, clickhouse_url, snowflake_env, uniqu
     producer = start_process("siphon-producer", [sys.executable, "-m", "producer_service.cli", "run", "--config",
                                                  str(config_path)], tmp_path / "producer.log")
     try:
-        def streaming() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{config.producer.metrics_port}/healthz",
-                                            timeout=1) as response:
-                    return response.status == 200
-            except OSError:
-                return False
-
-        wait_until(streaming, 60, "producer streaming")
+        wait_until(lambda: producer_streaming(config.producer.metrics_port), 60, "producer streaming")
         defs = build_definitions(config)
         specs = table_specs(config)
         with instance_for_test() as instance:

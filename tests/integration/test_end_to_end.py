@@ -7,7 +7,6 @@ import random
 import sys
 import threading
 import time
-import urllib.request
 
 import dagster as dg
 import psycopg
@@ -23,6 +22,7 @@ from siphon_dagster.partitions import ranges_for
 from siphon_dagster.specs import table_specs
 from siphon_stack.process import free_port, start_process, stop_pid
 from tests.helpers.instance import instance_for_test
+from tests.helpers.producer import producer_streaming, wait_until
 
 SCHEMA_DDL = """
 create table {schema}.items (
@@ -109,15 +109,6 @@ class Workload:
             c.execute("delete from pairs where left_id = %s", (rnd.randint(1, 50),))
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
-
-
 def source_rows(dsn: str, table) -> dict[tuple, tuple]:
     """Every row as PostgreSQL's text output, keyed by primary key."""
     columns = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in table.column_names)
@@ -173,14 +164,7 @@ def test_stream_and_snapshots_under_a_live_workload_converge_in_every_target(app
     try:
         port = config.producer.metrics_port
 
-        def streaming() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
-                    return response.status == 200
-            except OSError:
-                return False
-
-        wait_until(streaming, 60, "producer streaming")
+        wait_until(lambda: producer_streaming(port), 60, "producer streaming")
         workload.thread.start()
         defs = build_definitions(config)
         resources = build_resources(config)

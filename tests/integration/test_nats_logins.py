@@ -35,8 +35,8 @@ from siphon_stack.nats import PERMISSIONS, NatsServer
 from siphon_stack.process import free_port, stop_pid
 from tests.helpers.instance import instance_for_test
 from tests.helpers.nats_identities import Operator, new_seed, nkey_users_block
-from tests.helpers.producer import ProducerProcess, drop_application, producer_config
-from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
+from tests.helpers.producer import ProducerProcess, drop_application, producer_config, wait_until
+from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows
 
 ROWS = 500
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import dagster as dg
@@ -29,8 +28,8 @@ from siphon_dagster.targets import build_target
 from siphon_dagster.targets.base import TableSchema, Target
 from siphon_stack.process import free_port, start_process, stop_pid
 from tests.helpers.instance import write_instance_yaml
-from tests.helpers.producer import drop_application
-from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
+from tests.helpers.producer import drop_application, producer_streaming, wait_until
+from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows
 from tests.integration.test_targets_version_rule import target_settings
 
 TARGETS = ("clickhouse", "snowflake")
@@ -169,15 +168,7 @@ def test_resync_rebuilds_every_target_under_a_live_stream_without_an_empty_view(
     workload = Workload(config.source.dsn, spec.schema)
     sampler: ViewSampler | None = None
     try:
-        def streaming() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{config.producer.metrics_port}/healthz",
-                                            timeout=1) as response:
-                    return response.status == 200
-            except OSError:
-                return False
-
-        wait_until(streaming, 60, "producer streaming")
+        wait_until(lambda: producer_streaming(config.producer.metrics_port), 60, "producer streaming")
         home = tmp_path / "dagster_home"
         home.mkdir()
         write_instance_yaml(home)

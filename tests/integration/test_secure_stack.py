@@ -37,8 +37,8 @@ from siphon_dagster.targets.snowflake import SnowflakeTarget
 from siphon_stack import stack
 from siphon_stack.process import free_port
 from tests.helpers.instance import instance_for_test
-from tests.helpers.producer import ProducerProcess
-from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
+from tests.helpers.producer import ProducerProcess, wait_until
+from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows
 
 ROWS = 3000
 GRAPHQL_QUERY = """

@@ -2,7 +2,6 @@
 columns keep the value, whether or not the row's snapshot landed before the stream."""
 
 import sys
-import urllib.request
 
 import dagster as dg
 import psycopg
@@ -18,7 +17,8 @@ from siphon_dagster.partitions import ranges_for
 from siphon_dagster.specs import table_specs
 from siphon_stack.process import free_port, start_process, stop_pid
 from tests.helpers.instance import instance_for_test
-from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows, wait_until
+from tests.helpers.producer import producer_streaming, wait_until
+from tests.integration.test_end_to_end import run_stream_jobs, source_rows, target_rows
 
 
 @pytest.mark.parametrize("order", ["snapshot-first", "stream-only", "snapshot-between"])
@@ -52,14 +52,7 @@ def test_toasted_values_survive_key_updates(order, tmp_path, postgres_dsn, nats_
     producer = start_process("siphon-producer", [sys.executable, "-m", "producer_service.cli", "run", "--config",
                                                  str(config_path)], tmp_path / "producer.log")
     try:
-        def streaming() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{config.producer.metrics_port}/healthz") as r:
-                    return r.status == 200
-            except OSError:
-                return False
-
-        wait_until(streaming, 60, "producer streaming")
+        wait_until(lambda: producer_streaming(config.producer.metrics_port), 60, "producer streaming")
         with instance_for_test() as instance:
             with source.connect(config.source.dsn) as connection:
                 keys = [r.key for r in ranges_for(source.table_size(connection, spec.table).blocks, 8192)]
