@@ -53,6 +53,10 @@ GraphQL API is polled until it knows the new table's asset), `siphon-dagster sna
 table, and every table the file lists at the end is compared.
 With --snowflake every table also goes to Snowflake (a fakesnow server on loopback; a second
 streaming run), the drain waits up to 15 minutes more, and rows are compared at both targets.
+With --initial-rows N every table holds N rows before the producer starts: the snapshot sensor
+loads them (one run per partition in each target's snapshot pool) while the streams start, and
+all_loaded_s is when the Dagster instance recorded every table's partitions at every target; the
+peak memory and processes then include the snapshot runs.
 With --samples-out every freshness sample is written to a JSON file (commit time, table, seconds) with
 each table's share of the changes: whether late changes are those of hot or cold tables, or of moments.
 With --groups N the tables are dealt over N streaming runs (`streaming.groups`); the batch figures
@@ -80,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import clickhouse_connect
+import dagster as dg
 import psycopg
 import yaml
 from common import print_json, print_table, services, stop_on_signals
@@ -88,6 +93,7 @@ from psycopg import sql
 from siphon_core import naming
 from siphon_core.config import TableConfig, load_config
 from siphon_dagster import source
+from siphon_dagster.specs import table_specs
 from siphon_dagster.targets import build_target
 from siphon_stack.process import (
     free_port,
@@ -224,12 +230,21 @@ def create_tables(dsn: str, names: list[str], shapes: str = "mixed") -> None:
         connection.execute(TICK_FUNCTION)
 
 
+def fill_tables(dsn: str, names: list[str], rows: int) -> None:
+    """`rows` rows in every table (each column's default), before the producer starts: only
+    snapshots bring them to the targets."""
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        for name in names:
+            connection.execute(sql.SQL("insert into {} (k) select g from generate_series(1, %s) g").format(
+                sql.Identifier(name)), (rows,))
+
+
 def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names: list[str], metrics_port: int,
                  run_metrics_port: int, batch_wait_seconds: float, max_batches_per_second: float,
                  driver_decode_max_bytes: int | None = None, groups: int = 1,
                  idle_packages_per_second: float | None = None, snowflake: dict | None = None,
                  idle_min_age_seconds: float | None = None, apply_threads: int | None = None,
-                 materialization_interval_seconds: float = 60.0) -> None:
+                 materialization_interval_seconds: float = 60.0, auto_load: bool = False) -> None:
     # Groups beyond the first take every groups-th table (a share of the hot and the quiet ones
     # each); the first group is the run of the tables no group names.
     named = {f"part{g}": [f"public.{name}" for name in names[g::groups]] for g in range(1, groups)}
@@ -249,11 +264,11 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
                       "max_batches_per_second": max_batches_per_second, "metrics_port": run_metrics_port,
                       "driver_decode_max_bytes": driver_decode_max_bytes, **({"groups": named} if named else {}),
                       **({"apply_threads": apply_threads} if apply_threads else {})},
-        # The tables are created empty before the producer starts, so their streams hold every row
-        # and there is nothing to snapshot (bench/snapshot.py measures loads; a table added mid-run
-        # is loaded by `siphon-dagster snapshot`); the hourly checks
-        # would land in the measured minutes only when they cross an hour.
-        "snapshots": {"auto_load": False},
+        # Tables created empty before the producer starts have every row in their streams and
+        # nothing to snapshot (a table added mid-run is loaded by `siphon-dagster snapshot`); with
+        # --initial-rows the snapshot sensor loads them. The hourly checks would land in the
+        # measured minutes only when they cross an hour.
+        "snapshots": {"auto_load": auto_load},
         "checks": {"enabled": False},
     }, sort_keys=False))
 
@@ -555,6 +570,37 @@ class TableChange:
         print(f"  {self.done[-1]}", flush=True)
 
 
+class LoadWatch:
+    """With --initial-rows: when every table's snapshot partitions are materialized at every
+    target, as the Dagster instance records them (a table loaded stays loaded: it is not read again)."""
+
+    # Two reads of the instance a table not yet loaded: at 200 tables, every 5 s took the benchmark's
+    # process a sixth of a core from the machine it measures.
+    INTERVAL_SECONDS = 15.0
+
+    def __init__(self, dagster_home: Path, config_path: Path) -> None:
+        self.instance = dg.DagsterInstance.from_config(str(dagster_home))
+        self.waiting = [(spec, target) for spec in table_specs(load_config(config_path)) for target in spec.targets]
+        self.total = len(self.waiting)
+        self.loaded_at: float | None = None
+        self._looked_at = float("-inf")
+
+    def step(self, elapsed: float) -> None:
+        if self.loaded_at is not None or time.monotonic() - self._looked_at < self.INTERVAL_SECONDS:
+            return
+        self._looked_at = time.monotonic()
+        self.waiting = [(spec, target) for spec, target in self.waiting if not self._loaded(spec, target)]
+        if not self.waiting:
+            self.loaded_at = elapsed
+
+    def _loaded(self, spec: Any, target: str) -> bool:
+        keys = self.instance.get_dynamic_partitions(spec.partitions_def_name)
+        return bool(keys) and set(keys) <= self.instance.get_materialized_partitions(spec.target_key(target))
+
+    def close(self) -> None:
+        self.instance.dispose()
+
+
 def role_of(pid: int) -> str:
     """Which part of the Dagster side a process is, for the CPU breakdown."""
     try:
@@ -831,6 +877,10 @@ def main() -> int:
                         help="half-way through the steady phase add a table of 3,000 rows to siphon.yaml and remove "
                              "one (the code location reloads by itself), load the new table with `siphon-dagster snapshot`; "
                              "every table the file lists at the end is compared")
+    parser.add_argument("--initial-rows", type=int, default=0,
+                        help="rows in every table before the producer starts; the snapshot sensor loads them "
+                             "(snapshots.auto_load on) while the stream starts, and all_loaded_s says when every "
+                             "table's partitions were loaded at every target")
     parser.add_argument("--snowflake", action="store_true",
                         help="also replicate every table to Snowflake (a fakesnow server started here; a second "
                              "streaming run); freshness is ClickHouse's, and rows are compared at both targets")
@@ -856,8 +906,10 @@ def main() -> int:
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
                      args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups,
                      args.idle_packages_per_second, snowflake, args.idle_min_age_seconds, args.apply_threads,
-                     args.materialization_interval_seconds)
+                     args.materialization_interval_seconds, auto_load=args.initial_rows > 0)
         create_tables(stack.dsn, names, args.shapes)
+        if args.initial_rows:
+            fill_tables(stack.dsn, names, args.initial_rows)
         dagster_home = directory / "dagster_home"
         dagster_home.mkdir()
         shutil.copy(ROOT / "dagster.yaml", dagster_home / "dagster.yaml")
@@ -897,6 +949,7 @@ def main() -> int:
             wait_until("Dagster UI", lambda: port_accepts(port), 180, pid=dagster.pid,
                        log_path=directory / "dagster.log")
             ui_seconds = time.monotonic() - started
+            load_watch = LoadWatch(dagster_home, config_path) if args.initial_rows else None
 
             def sample() -> None:
                 pids = tree(dagster.pid)
@@ -913,6 +966,7 @@ def main() -> int:
             startup_cpu = CpuSplit(machine_parts())
             startup_cpu.start()
             all_streaming = None
+            first_id = args.initial_rows + 1  # the writer's first insert into each table
             run_started = first_streaming = None  # where the wait for every table goes
             streaming_timeline: list[tuple[int, int]] = []  # (seconds since the start, tables streaming)
             while time.monotonic() - started < 300:
@@ -920,11 +974,13 @@ def main() -> int:
                 elapsed = time.monotonic() - started
                 if run_started is None and any(role_of(pid) == "streaming run" for pid in tree(dagster.pid)):
                     run_started = elapsed
-                visible = len([n for n in names if poller.visible.get(n, 0) >= 1])
+                visible = len([n for n in names if poller.visible.get(n, 0) >= first_id])
                 if first_streaming is None and visible:
                     first_streaming = elapsed
                 if int(elapsed) // 10 > (streaming_timeline[-1][0] // 10 if streaming_timeline else -1):
                     streaming_timeline.append((int(elapsed), visible))
+                if load_watch is not None:
+                    load_watch.step(elapsed)
                 if visible == len(names):
                     all_streaming = elapsed
                     break
@@ -932,7 +988,7 @@ def main() -> int:
                     raise RuntimeError(f"writer: {writer.error}; poller: {poller.error}")
                 time.sleep(SAMPLE_SECONDS)
             startup_cpu.stop()
-            streaming_tables = len([n for n in names if poller.visible.get(n, 0) >= 1])
+            streaming_tables = len([n for n in names if poller.visible.get(n, 0) >= first_id])
             cpu = CpuSplit(machine_parts())
             cpu.start()
             batches_before = run_metrics(run_metrics_port)
@@ -948,6 +1004,8 @@ def main() -> int:
                     producer = faults.inject(time.monotonic() - steady_started, dagster.pid, producer, restart_producer)
                 if change is not None:
                     change.step(time.monotonic() - steady_started)
+                if load_watch is not None:
+                    load_watch.step(time.monotonic() - started)
                 sample()
                 if writer.error or poller.error:
                     raise RuntimeError(f"writer: {writer.error}; poller: {poller.error}")
@@ -972,7 +1030,12 @@ def main() -> int:
             with psycopg.connect(stack.dsn) as connection:
                 end = naming.parse_lsn(connection.execute("select pg_current_wal_lsn()::text").fetchone()[0])
             # A killed run's backlog too; fakesnow runs each MERGE in Python and DuckDB, a few a second.
-            deadline = time.monotonic() + (180 if faults is None else 420) + (900 if args.snowflake else 0)
+            deadline = (time.monotonic() + (180 if faults is None else 420) + (900 if args.snowflake else 0)
+                        + (900 if args.initial_rows else 0))
+            while load_watch is not None and load_watch.loaded_at is None and time.monotonic() < deadline:
+                load_watch.step(time.monotonic() - started)
+                sample()
+                time.sleep(1)
             while time.monotonic() < deadline and not slot_caught_up(stack.dsn, end):
                 time.sleep(1)
             compared = [t.name.removeprefix("public.") for t in load_config(config_path).tables]
@@ -1000,6 +1063,8 @@ def main() -> int:
             if differing or args.keep_logs:
                 keep_logs(directory)
             final_pids = tree(dagster.pid)
+            if load_watch is not None:
+                load_watch.close()
             final_names = names_of(final_pids)
         finally:
             writer.stop.set()
@@ -1053,6 +1118,9 @@ def main() -> int:
         "faults": (faults.done if faults is not None else []) + (change.done if change is not None else []),
         "tables_compared": len(compared), "rows_differing_by_target": differing_by_target,
         "drained_s_by_target": drained_at,
+        **({"initial_rows": args.initial_rows,
+            "all_loaded_s": load_watch.loaded_at if load_watch.loaded_at is not None else float("nan"),
+            "tables_not_loaded": len(load_watch.waiting)} if load_watch is not None else {}),
     }
     print("\nprocesses on the Dagster side at the end:")
     for name in final_names:
@@ -1099,6 +1167,10 @@ def main() -> int:
         ("  the streaming run's process started after (s)", "-" if run_started is None else f"{run_started:.0f}", ""),
         ("  the first table streaming after (s)", "-" if first_streaming is None else f"{first_streaming:.0f}", ""),
         ("changes/s achieved by the writer", f"{achieved_rate:.0f}", f"{args.rate:.0f}"),
+        *([("every table loaded at every target after (s)",
+            "-" if load_watch.loaded_at is None else f"{load_watch.loaded_at:.0f}", ""),
+           ("  (table, target) pairs not loaded", f"{len(load_watch.waiting)}/{load_watch.total}", "0")]
+          if load_watch is not None else []),
         ("rows differing at the end", f"{differing}", "0"),
     ])
     print_json(figures)
