@@ -580,6 +580,7 @@ class LoadWatch:
 
     def __init__(self, dagster_home: Path, config_path: Path) -> None:
         self.instance = dg.DagsterInstance.from_config(str(dagster_home))
+        self.config_path = config_path
         self.waiting = [(spec, target) for spec in table_specs(load_config(config_path)) for target in spec.targets]
         self.total = len(self.waiting)
         self.loaded_at: float | None = None
@@ -589,7 +590,9 @@ class LoadWatch:
         if self.loaded_at is not None or time.monotonic() - self._looked_at < self.INTERVAL_SECONDS:
             return
         self._looked_at = time.monotonic()
-        self.waiting = [(spec, target) for spec, target in self.waiting if not self._loaded(spec, target)]
+        configured = {table.name for table in load_config(self.config_path).tables}  # --change-tables removes one
+        self.waiting = [(spec, target) for spec, target in self.waiting
+                        if spec.qualified_name in configured and not self._loaded(spec, target)]
         if not self.waiting:
             self.loaded_at = elapsed
 
