@@ -31,7 +31,6 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -57,6 +56,7 @@ from siphon_dagster.streaming.decode import (
     locate_changes,
 )
 from siphon_dagster.streaming.fold import latest_indices, merge_pieces, with_version
+from siphon_dagster.streaming.scratch import batch_directory
 from siphon_dagster.streaming.spark_facts import decode_slices, is_remote
 from siphon_dagster.streaming.worker_memory import retain_between_tasks
 
@@ -345,14 +345,14 @@ def _balanced_order(sizes: Sequence[int], slices: int) -> list[int]:
 
 @contextmanager
 def _result_directory(spark: SparkSession) -> Iterator[str | None]:
-    """A temporary directory for one Spark job's result files, in local mode only (elsewhere the
-    executors may not share the driver's file system); removed with whatever a failed or retried
-    task left in it."""
+    """A temporary directory for one Spark job's files (`scratch`), in local mode only (elsewhere
+    the executors may not share the driver's file system); removed with whatever a failed or
+    retried task left in it."""
     if is_remote(spark) or not spark.sparkContext.master.startswith("local"):
         yield None
         return
     try:
-        path = tempfile.mkdtemp(prefix="siphon-batch-")
+        path = batch_directory()
     except OSError:
         yield None
         return
