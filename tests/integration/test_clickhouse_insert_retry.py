@@ -1,7 +1,7 @@
 """A stream batch's insert meets a server that closes the connection without answering.
 
 The target sends a batch again, once, whether the driver was given it as bytes (a small batch, its
-statement in front of the rows) or as the buffer its Arrow stream was written to (a large one, its
+statement in front of the rows) or as the pieces of its Arrow stream (a large one, its
 statement in the URL), which the driver does not send twice by itself. A proxy in front of the
 embedded server reads one whole request and closes the connection, as a server restarting or
 dropping an idle keep-alive connection does; the batch must then arrive, once, through the next
