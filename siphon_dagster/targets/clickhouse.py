@@ -318,12 +318,12 @@ class ClickHouseTarget(SqlTarget):
         if plan is None or (plan.table is not names.table and plan.table != names.table):
             plan = self._batch_plan = clickhouse_batch.plan_for(names.table)
         typed = plan.typed(rows)
-        stream = ArrowStream.of(typed)
         # A small batch goes out as one bytes object with the statement in front of the rows: for a
         # small batch of a wide table, the statement in the URL, which the HTTP library escapes
         # character by character, took half the client's time of an insert (1.5 ms, 0.75 ms in the
-        # body). A large one goes as the stream's pieces, the statement in the URL.
-        body = stream.joined() if stream.size <= INLINE_STATEMENT_MAX_BYTES else stream
+        # body). A large one goes as its stream's pieces, the statement in the URL.
+        small = typed.get_total_buffer_size() <= INLINE_STATEMENT_MAX_BYTES
+        body: bytes | ArrowStream = _arrow_stream_bytes(typed) if small else ArrowStream.of(typed)
         settings = batch_insert_settings(typed.num_rows)
         self._write_each(names, targets, lambda target: self._insert_typed(names, target, typed.column_names, body,
                                                                            settings))
@@ -465,6 +465,15 @@ def _widened(current: str, expected: str) -> str | None:
     if wanted not in _WIDER.get(stored, ()):
         return None
     return f"Nullable({wanted})" if nullable else wanted
+
+
+def _arrow_stream_bytes(table: pa.Table) -> bytes:
+    """A small table as one Arrow IPC stream: 17 us for ten rows of 30 columns, where gathering
+    `ArrowStream`'s pieces took 81, and writing the stream twice to size its buffer first 32."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
 
 
 class ArrowStream:
