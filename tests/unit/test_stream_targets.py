@@ -164,24 +164,29 @@ def test_a_small_change_batch_is_inserted_on_one_thread_and_a_large_one_on_two(m
 
 
 def test_a_small_change_batch_carries_its_statement_in_its_body_and_a_large_one_in_the_url(monkeypatch) -> None:
-    # The driver puts the statement in front of a body given as bytes, and in the URL otherwise.
-    blocks: list[Any] = []
+    # The driver puts the statement in front of a body given as bytes, and in the URL otherwise; a
+    # large batch goes as its Arrow stream's pieces, with their length.
+    blocks: list[tuple[Any, dict[str, str] | None]] = []
 
     class InsertingClient(FakeClient):
         def raw_insert(self, table: str, column_names: list[str], insert_block: Any, settings: dict[str, Any],
-                       fmt: str) -> None:
-            blocks.append(insert_block)
+                       fmt: str, transport_settings: dict[str, str] | None = None) -> None:
+            blocks.append((insert_block, transport_settings))
 
     monkeypatch.setattr(ClickHouseTarget, "_open", lambda self, settings=None: InsertingClient(settings))
     target = ClickHouseTarget(ClickHouseTargetConfig(url="http://127.0.0.1:1", database="db"))
     names = target._names(ITEMS)  # noqa: SLF001
     for value, rows in (("x", 10), ("y" * 100, 20_000)):
         target._write_batch(names, batch_of(rows, value), [names.live])  # noqa: SLF001
-    small, large = blocks
+    (small, small_transport), (pieces, transport) = blocks
     assert isinstance(small, bytes) and len(small) <= clickhouse_module.INLINE_STATEMENT_MAX_BYTES
-    assert isinstance(large, memoryview) and large.nbytes > clickhouse_module.INLINE_STATEMENT_MAX_BYTES
-    for block in blocks:  # either way the whole Arrow stream
-        assert pa.ipc.open_stream(pa.py_buffer(block)).read_all().num_rows in (10, 20_000)
+    assert small_transport is None
+    large = b"".join(pieces)
+    assert isinstance(pieces, list) and len(pieces) > 1
+    assert len(large) > clickhouse_module.INLINE_STATEMENT_MAX_BYTES
+    assert transport == {"Content-Length": str(len(large))}
+    for block, rows in ((small, 10), (large, 20_000)):  # either way the whole Arrow stream
+        assert pa.ipc.open_stream(pa.py_buffer(block)).read_all().num_rows == rows
 
 
 class FakeSession:
