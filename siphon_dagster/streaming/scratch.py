@@ -7,7 +7,7 @@ file system, the kernel did a disk file's bookkeeping for each page of a file re
 deleted. On the 2-core machine of the benchmarks, writing a decode task's 120 MB of results cost
 0.40 - 0.67 s of kernel time on the root file system when its page cache had to grow, against
 0.05 s on `/dev/shm` every time, and the Python workers of a 2,000,000-change backlog went from
-3.5 - 4.7 to 2.3 us of CPU per event. Without such a file system, or with less than
+3.0 - 4.6 to 2.0 - 2.5 us of CPU per event. Without such a file system, or with less than
 `MIN_FREE_BYTES` free there (a container's default `/dev/shm` is 64 MB), they go to the usual
 temporary directory; a file that does not fit goes through Spark instead (`spark_plan`).
 
