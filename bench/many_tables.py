@@ -244,7 +244,8 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
                  driver_decode_max_bytes: int | None = None, groups: int = 1,
                  idle_packages_per_second: float | None = None, snowflake: dict | None = None,
                  idle_min_age_seconds: float | None = None, apply_threads: int | None = None,
-                 materialization_interval_seconds: float = 60.0, auto_load: bool = False) -> None:
+                 materialization_interval_seconds: float = 60.0, auto_load: bool = False,
+                 tables_per_load_run: int = 20) -> None:
     # Groups beyond the first take every groups-th table (a share of the hot and the quiet ones
     # each); the first group is the run of the tables no group names.
     named = {f"part{g}": [f"public.{name}" for name in names[g::groups]] for g in range(1, groups)}
@@ -268,7 +269,7 @@ def write_config(path: Path, dsn: str, nats_url: str, clickhouse_url: str, names
         # nothing to snapshot (a table added mid-run is loaded by `siphon-dagster snapshot`); with
         # --initial-rows the snapshot sensor loads them. The hourly checks would land in the
         # measured minutes only when they cross an hour.
-        "snapshots": {"auto_load": auto_load},
+        "snapshots": {"auto_load": auto_load, "tables_per_load_run": tables_per_load_run},
         "checks": {"enabled": False},
     }, sort_keys=False))
 
@@ -884,6 +885,9 @@ def main() -> int:
                         help="rows in every table before the producer starts; the snapshot sensor loads them "
                              "(snapshots.auto_load on) while the stream starts, and all_loaded_s says when every "
                              "table's partitions were loaded at every target")
+    parser.add_argument("--tables-per-load-run", type=int, default=20,
+                        help="snapshots.tables_per_load_run: with --initial-rows, new tables of one partition "
+                             "load this many to a run (1: a run per partition, as before)")
     parser.add_argument("--snowflake", action="store_true",
                         help="also replicate every table to Snowflake (a fakesnow server started here; a second "
                              "streaming run); freshness is ClickHouse's, and rows are compared at both targets")
@@ -909,7 +913,8 @@ def main() -> int:
         write_config(config_path, stack.dsn, stack.nats.url, stack.clickhouse_url, names, metrics_port, run_metrics_port,
                      args.batch_wait_seconds, args.max_batches_per_second, args.driver_decode_max_bytes, args.groups,
                      args.idle_packages_per_second, snowflake, args.idle_min_age_seconds, args.apply_threads,
-                     args.materialization_interval_seconds, auto_load=args.initial_rows > 0)
+                     args.materialization_interval_seconds, auto_load=args.initial_rows > 0,
+                     tables_per_load_run=args.tables_per_load_run)
         create_tables(stack.dsn, names, args.shapes)
         if args.initial_rows:
             fill_tables(stack.dsn, names, args.initial_rows)
@@ -1121,7 +1126,7 @@ def main() -> int:
         "faults": (faults.done if faults is not None else []) + (change.done if change is not None else []),
         "tables_compared": len(compared), "rows_differing_by_target": differing_by_target,
         "drained_s_by_target": drained_at,
-        **({"initial_rows": args.initial_rows,
+        **({"initial_rows": args.initial_rows, "tables_per_load_run": args.tables_per_load_run,
             "all_loaded_s": load_watch.loaded_at if load_watch.loaded_at is not None else float("nan"),
             "tables_not_loaded": len(load_watch.waiting)} if load_watch is not None else {}),
     }

@@ -515,6 +515,11 @@ class SnapshotsConfig(_Model):
     max_attempts: int = Field(default=3, ge=1)
     # The wait after a failure before the next attempt; it doubles with each attempt, up to 10 minutes.
     retry_delay_seconds: float = Field(default=30.0, ge=0)
+    # New tables whose load is one partition (small ones), up to this many to a run: a run costs
+    # seconds of start-up, such a table's load a tenth of one. Each table's partition is still
+    # materialized on its own asset; one that fails there loads in a run of its own. 1: a run per
+    # partition.
+    tables_per_load_run: int = Field(default=20, ge=1, le=1000)
 # --- end of snapshots ----------------------------------------------------------------------------
 
 

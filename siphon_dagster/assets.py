@@ -5,7 +5,8 @@ A target asset's partition is a block range; materializing it re-snapshots exact
 """
 
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import dagster as dg
 
@@ -22,6 +23,7 @@ from siphon_dagster.specs import TableSpec
 from siphon_dagster.targets.base import TableSchema
 
 SNAPSHOT_POOL_PREFIX = "siphon_snapshot"
+FIRST_LOADS_PREFIX = "siphon_loads"
 
 
 def snapshot_pool(target: str) -> str:
@@ -97,45 +99,110 @@ def build_target_asset(spec: TableSpec, target: str) -> dg.AssetsDefinition:
         # A run killed outright stays STARTED and keeps its pool slot; the partitions sensor fails
         # it once this process is gone, and the daemon then frees the slot.
         context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity(), SNAPSHOT_RUN_TAG: "true"})
-        ranges = [parse_key(key, spec.table.blocks_per_partition) for key in context.partition_keys]
-        source_resource: PostgresResource = context.resources.source
-        destination = getattr(context.resources, resource_key).open_target()
-
-        def report(p: SnapshotProgress) -> None:
-            context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, {p.bytes / 1e6:,.1f} MB, "
-                             f"{p.rows / p.seconds:,.0f} rows/s")
-
-        pool = snapshot_pool(target)
-        step_key = context.get_step_execution_context().step.key
-        try:
-            with extra_slots(context.instance, pool, context.run_id, step_key, len(ranges) - 1) as parallel:
-                if parallel > 1:
-                    context.log.info(f"reading {len(ranges)} partitions {parallel} at a time (pool {pool})")
-                summary = load_ranges(source_resource.snapshot_settings(), spec.table, ranges, destination,
-                                      ensure=ensure_target_table(destination, target, context.log.warning),
-                                      on_progress=report, on_info=context.log.info, on_warning=context.log.warning,
-                                      on_blocked=wait_reporter(context, spec.target_key(target)),
-                                      parallel=parallel, open_destination=getattr(context.resources,
-                                                                                  resource_key).open_target)
-        finally:
-            destination.close()
-        report(summary.progress)
-        progress = summary.progress
-        return dg.MaterializeResult(metadata={
-            "dagster/row_count": progress.rows,
-            "dagster/column_schema": column_schema_metadata(summary.table) if summary.table is not None else None,
-            "first_block": ranges[0].first_block,
-            "last_block": ranges[-1].last_block,
-            "partitions": len(ranges),
-            "consistent_point": summary.consistent_point_text,
-            "bytes": dg.MetadataValue.int(progress.bytes),
-            "rows_per_second": round(progress.rows / progress.seconds, 1),
-            "seconds": round(progress.seconds, 3),
-            "retried_ranges": summary.retries,
-            **({"load_path": load_path} if (load_path := getattr(destination, "last_load_path", None)) else {}),
-        })
+        return dg.MaterializeResult(metadata=load_partitions(context, spec, target, context.partition_keys))
 
     return _snapshot
+
+
+def load_partitions(context: dg.OpExecutionContext, spec: TableSpec, target: str,
+                    keys: Sequence[str]) -> dict[str, Any]:
+    """Snapshots the partitions `keys` of `spec` into `target`, as many block ranges at a time as
+    the target's pool gives slots for; the metadata of their materialization."""
+    resource_key = f"{target}_target"
+    ranges = [parse_key(key, spec.table.blocks_per_partition) for key in keys]
+    source_resource: PostgresResource = context.resources.source
+    destination = getattr(context.resources, resource_key).open_target()
+
+    def report(p: SnapshotProgress) -> None:
+        context.log.info(f"{spec.qualified_name}: {p.rows:,} rows, {p.bytes / 1e6:,.1f} MB, "
+                         f"{p.rows / p.seconds:,.0f} rows/s")
+
+    pool = snapshot_pool(target)
+    step_key = context.get_step_execution_context().step.key
+    try:
+        with extra_slots(context.instance, pool, context.run_id, step_key, len(ranges) - 1) as parallel:
+            if parallel > 1:
+                context.log.info(f"reading {len(ranges)} partitions {parallel} at a time (pool {pool})")
+            summary = load_ranges(source_resource.snapshot_settings(), spec.table, ranges, destination,
+                                  ensure=ensure_target_table(destination, target, context.log.warning),
+                                  on_progress=report, on_info=context.log.info, on_warning=context.log.warning,
+                                  on_blocked=wait_reporter(context, spec.target_key(target)),
+                                  parallel=parallel, open_destination=getattr(context.resources,
+                                                                              resource_key).open_target)
+    finally:
+        destination.close()
+    report(summary.progress)
+    progress = summary.progress
+    return {
+        "dagster/row_count": progress.rows,
+        "dagster/column_schema": column_schema_metadata(summary.table) if summary.table is not None else None,
+        "first_block": ranges[0].first_block,
+        "last_block": ranges[-1].last_block,
+        "partitions": len(ranges),
+        "consistent_point": summary.consistent_point_text,
+        "bytes": dg.MetadataValue.int(progress.bytes),
+        "rows_per_second": round(progress.rows / progress.seconds, 1),
+        "seconds": round(progress.seconds, 3),
+        "retried_ranges": summary.retries,
+        **({"load_path": load_path} if (load_path := getattr(destination, "last_load_path", None)) else {}),
+    }
+
+
+def first_loads_key(target: str) -> dg.AssetKey:
+    """The asset of `target`'s shared load runs (no table's key: those are `<target>/<schema>/<table>`
+    and targets are named after their kind)."""
+    return dg.AssetKey([FIRST_LOADS_PREFIX, target])
+
+
+class FirstLoadsConfig(dg.Config):
+    """The tables a shared load run snapshots (qualified names), each its one partition; none when
+    the asset is materialized by hand without them (with the group's other assets)."""
+
+    tables: list[str] = []
+    partitions: list[str] = []
+
+
+def build_first_loads_asset(specs: Sequence[TableSpec], target: str, group: str) -> dg.AssetsDefinition:
+    """`<prefix>/<target>`: one run loads many small tables, each a single partition, one after another
+    under one slot of the target's snapshot pool, and records each table's partition materialized
+    on the table's own asset (the snapshot sensor asks for it, `snapshots.tables_per_load_run`). A
+    table that fails is named and the others go on; the run then fails, and the sensor loads the
+    table in a run of its own."""
+    by_name = {spec.qualified_name: spec for spec in specs if target in spec.targets}
+
+    @dg.asset(
+        key=first_loads_key(target),
+        group_name=group,
+        kinds={target},
+        pool=snapshot_pool(target),
+        required_resource_keys={"source", f"{target}_target"},
+        description=f"Loads of small tables into {target}, many to a run: each table's partition is "
+                    "materialized on the table's own asset.",
+    )
+    def _first_loads(context: dg.AssetExecutionContext, config: FirstLoadsConfig) -> dg.MaterializeResult:
+        context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity(), SNAPSHOT_RUN_TAG: "true"})
+        if len(config.tables) != len(config.partitions):
+            raise dg.Failure(f"{len(config.tables)} tables but {len(config.partitions)} partitions in the run's config")
+        unknown = [name for name in config.tables if name not in by_name]
+        if unknown:
+            raise dg.Failure(f"tables not configured for {target}: {', '.join(unknown)}")
+        failed: list[str] = []
+        for name, key in zip(config.tables, config.partitions, strict=True):
+            spec = by_name[name]
+            try:
+                metadata = load_partitions(context, spec, target, [key])
+            except Exception as error:  # the other tables still load; this one loads alone later
+                context.log.error(f"{name}: partition {key} not loaded: {' '.join(str(error).split())}")
+                failed.append(name)
+                continue
+            context.log_event(dg.AssetMaterialization(asset_key=spec.target_key(target), partition=key,
+                                                      metadata=metadata))
+        if failed:
+            raise dg.Failure(f"{len(failed)} of {len(config.tables)} tables not loaded: {', '.join(failed)}",
+                             metadata={"failed_tables": failed})
+        return dg.MaterializeResult(metadata={"tables": len(config.tables)})
+
+    return _first_loads
 
 
 def wait_reporter(context: dg.OpExecutionContext, asset_key: dg.AssetKey) -> Callable[[WaitReport], None]:

@@ -13,7 +13,7 @@ from functools import cache, partial
 import dagster as dg
 
 from siphon_core.config import CONFIG_VARIABLE, SiphonConfig, load_config_from_environment
-from siphon_dagster.assets import build_source_asset, build_target_asset
+from siphon_dagster.assets import build_first_loads_asset, build_source_asset, build_target_asset
 from siphon_dagster.checks.definitions import build_asset_checks, build_checks_job, build_checks_schedule
 from siphon_dagster.code_location import with_jobs_by_name
 from siphon_dagster.config_drift import ConfigDrift
@@ -90,6 +90,9 @@ def build_definitions(config: SiphonConfig, config_path: str | None = None,
         assets.append(build_source_asset(spec))
         assets.extend(build_target_asset(spec, target) for target in spec.targets)
     group = group_name(config.application_identifier)
+    if config.snapshots.tables_per_load_run > 1:  # small tables' loads, many to a run (snapshot sensor)
+        assets.extend(build_first_loads_asset(specs, target, group)
+                      for target in sorted({target for spec in specs for target in spec.targets}))
     # Single-table jobs stay for draining or rebuilding a table by hand; the sensors run the group
     # jobs and `<group>_resync`.
     stream_jobs = [build_stream_job(spec, target) for spec in specs for target in spec.targets] if table_jobs else []

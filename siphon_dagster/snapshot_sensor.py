@@ -19,8 +19,9 @@ from dagster._core.events import DagsterEventType
 from dagster._core.storage.tags import PARTITION_NAME_TAG, PRIORITY_TAG
 
 from siphon_core.config import SnapshotsConfig
-from siphon_dagster.assets import snapshot_pool
+from siphon_dagster.assets import first_loads_key, snapshot_pool
 from siphon_dagster.sensors import ADD_PARTITIONS_SECONDS, add_partitions, key_count, partition_requests
+from siphon_dagster.shared_loads import ALONE_KEY, BATCHED_KEY, SharedLoads, SharedRuns
 from siphon_dagster.snapshot.pool_slots import ensure_pool_limit
 from siphon_dagster.snapshot_plan import (
     FAILED,
@@ -320,7 +321,8 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         name=f"{group}_snapshots",
         minimum_interval_seconds=30,
         default_status=dg.DefaultSensorStatus.RUNNING,
-        asset_selection=[spec.target_key(target) for spec in specs for target in spec.targets],
+        asset_selection=[spec.target_key(target) for spec in specs for target in spec.targets]
+        + ([first_loads_key(target) for target in targets] if settings.tables_per_load_run > 1 else []),
         required_resource_keys={"source", *(f"{target}_target" for target in targets)},
         description="Snapshots every partition of a table new to the configuration or missing at its target, "
                     f"runs a failed snapshot partition again (up to {settings.max_attempts} attempts, waiting "
@@ -368,6 +370,8 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         recorded = RecordedAssets(context.instance, looked_at)
         latest_checks = LatestChecks(context.instance, looked_at, checks)
 
+        shared_runs = SharedRuns(context.instance)
+        shared_loads = SharedLoads(settings.tables_per_load_run, now)
         # Which tables the streaming runs serve: read once a tick, for every table at once.
         streaming: list[dict[tuple[str, str], str]] = []
 
@@ -378,14 +382,17 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
 
         def tick(spec: TableSpec, target: str, name: str, keys: Sequence[str]) -> None:
             try:
-                requests, event, entry = _tick_table(context, spec, target, keys, state.get(name, {}), probes[target],
+                requests, event, entry, shareable = _tick_table(context, spec, target, keys, state.get(name, {}), probes[target],
                                                      settings, latest_checks(spec.target_key(target)),
                                                      table_check_seconds, streaming_of,
-                                                     recorded(spec.target_key(target)))
+                                                     recorded(spec.target_key(target)), shared_runs)
             except Exception as error:  # one table's problem holds back no other table
                 context.log.error(f"{name}: {error}")
                 return
-            run_requests.extend(requests)
+            if shareable and shared_loads.enabled:
+                shared_loads.add(spec, target, name, requests[0])
+            else:
+                run_requests.extend(requests)
             if event is not None:
                 if len(events) < state_events_per_tick or FAILED_PARTITIONS_METADATA in event.metadata:
                     events.append(event)
@@ -433,10 +440,14 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         finally:
             for probe in probes.values():
                 probe.close()
+        run_requests.extend(shared_loads.requests(cursor, {PRIORITY_TAG: SNAPSHOT_PRIORITY, **(specs[0].tags if specs else {})},
+                                                  context.log.info))
         if deferred:
             context.log.info(f"{len(deferred)} table state(s) are recorded at the next ticks (at most "
                              f"{state_events_per_tick} a tick): {', '.join(deferred[:5])}{', ...' * (len(deferred) > 5)}")
-        for target in sorted({request.tags[AUTOLOAD_TAG].split(":", 1)[0] for request in run_requests}):
+        requested_targets = {request.tags[AUTOLOAD_TAG].split(":", 1)[0] for request in run_requests
+                             if AUTOLOAD_TAG in request.tags} | shared_loads.targets
+        for target in sorted(requested_targets):
             try:
                 ensure_pool_limit(context.instance, snapshot_pool(target))
             except Exception as error:  # the loads still go; the run queue sets the limit a pass later
@@ -472,11 +483,16 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
                 entry: Mapping[str, Any], probe: TargetProbe, settings: SnapshotsConfig,
                 checks: Mapping[str, str], table_check_seconds: float,
                 streaming_of: Callable[[str, str], str], recorded: bool = True,
-                ) -> tuple[list[dg.RunRequest], dg.AssetObservation | None, dict[str, Any]]:
-    """`checks`: the target asset's checks' latest results by name (`LatestChecks`). `recorded`:
-    whether anything of the target asset is recorded (`RecordedAssets`). With
-    nothing recorded (as on a first start), no partition has a status and no drop was recorded, so
-    neither is read: Dagster's partition status alone was most of a table's look."""
+                shared_runs: SharedRuns | None = None,
+                ) -> tuple[list[dg.RunRequest], dg.AssetObservation | None, dict[str, Any], bool]:
+    """The table's requests, its state to record, its next cursor entry, and whether the requests are
+    a new table's load of its one partition, which may run with other tables' (`SharedLoads`).
+
+    `checks`: the target asset's checks' latest results by name (`LatestChecks`). `recorded`:
+    whether anything of the target asset is recorded (`RecordedAssets`). With nothing recorded (as
+    on a first start), no partition has a status and no drop was recorded, so neither is read:
+    Dagster's partition status alone was most of a table's look. `shared_runs`: the shared load
+    runs' states, read once a tick."""
     instance = context.instance
     asset_key = spec.target_key(target)
     name = table_id(spec, target)
@@ -484,6 +500,9 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
         if keys and recorded else {}
     status = {key: _STATUS.get(value.name) if value is not None else None for key, value in statuses.items()}
     load_runs = _load_runs(instance, name, entry.get("load"))
+    batched = entry.get(BATCHED_KEY) if entry.get("load") is not None else None
+    if batched is not None:  # the table's load is a shared run's: it covers the table's partition
+        load_runs[batched["key"]] = (shared_runs or SharedRuns(instance)).state(batched, time.time())
     partitions = Partitions.of(keys, status, load_runs)
     drop, seen = _drops_since(instance, asset_key, entry.get("seen")) if recorded else (None, entry.get("seen"))
     now = time.time()
@@ -491,6 +510,11 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
                       now=now, auto_load=settings.auto_load, max_attempts=settings.max_attempts,
                       first_retry_delay=settings.retry_delay_seconds, table_check_seconds=table_check_seconds,
                       lost=_lost_partitions(instance, asset_key, keys, drop))
+    if batched is not None and "load" in plan.entry:
+        plan.entry[BATCHED_KEY] = batched
+    loaded = bool(keys) and partitions.materialized == frozenset(keys)
+    if not loaded and (entry.get(ALONE_KEY) or (batched is not None and "load" not in plan.entry)):
+        plan.entry[ALONE_KEY] = True  # the shared run ended without it: runs of its own from now on
     if plan.drop_deferred:
         seen = entry.get("seen")  # not acted on (the target did not answer): looked at again next tick
     if seen is not None:
@@ -504,6 +528,9 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     for key in plan.load:
         requests.append(_request(spec, target, key, run_key=f"{name}:{key}:load:{load_id}{again}",
                                  tags={LOAD_TAG: load_id}))
+    # A new table of one partition may load in a run shared with others (`SharedLoads`).
+    shareable = (plan.load_started and not plan.reload and not plan.retries and len(keys) == 1
+                 and not plan.entry.get(ALONE_KEY))
     for retry in plan.retries:
         context.log.info(f"{name}: partition {retry.key} failed; attempt {retry.attempt} of {settings.max_attempts}")
         requests.append(_request(spec, target, retry.key, run_key=f"{name}:{retry.key}:retry:{retry.since}:{retry.attempt}",
@@ -535,7 +562,7 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     if (recorded_state and not requests and "load" not in plan.entry and "failed" not in plan.entry and not partitions.in_progress
             and keys and not plan.drop_deferred and (not settings.auto_load or partitions.materialized == frozenset(keys))):
         plan.entry[SETTLED_KEY] = now
-    return requests, event, plan.entry
+    return requests, event, plan.entry, shareable
 
 
 def _request(spec: TableSpec, target: str, key: str, run_key: str, tags: Mapping[str, str]) -> dg.RunRequest:

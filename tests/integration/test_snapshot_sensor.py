@@ -13,9 +13,10 @@ from psycopg import sql
 
 from siphon_core import naming
 from siphon_core.config import parse_config
-from siphon_dagster import snapshot_sensor, source
-from siphon_dagster.assets import snapshot_pool
+from siphon_dagster import shared_loads, snapshot_sensor, source
+from siphon_dagster.assets import first_loads_key, snapshot_pool
 from siphon_dagster.definitions import build_definitions, build_resources
+from siphon_dagster.shared_loads import ALONE_KEY, BATCHED_KEY
 from siphon_dagster.snapshot_sensor import (
     AUTOLOAD_TAG,
     DROPPED_METADATA,
@@ -85,7 +86,10 @@ class Harness:
 
     @property
     def keys(self):
-        return self.instance.get_dynamic_partitions(self.spec.partitions_def_name)
+        return self.keys_of(self.spec)
+
+    def keys_of(self, spec):
+        return self.instance.get_dynamic_partitions(spec.partitions_def_name)
 
     def run(self, request, broken=False):
         """A requested run, executed as the daemon would launch it."""
@@ -623,3 +627,121 @@ def test_a_table_the_target_lost_is_loaded_again_when_the_stream_makes_it_anew(a
             assert len(target.current_rows_as_text(table)) == 301
         finally:
             target.close()
+
+
+@pytest.fixture
+def small_tables(postgres_dsn, nats_url, clickhouse_url, unique_name):
+    """Three small tables (one partition each, one of them under an odd name), shared loads of two
+    tables a run."""
+    names = ["alpha", "Beta Table", "gamma"]
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(sql.SQL("create schema {}").format(sql.Identifier(unique_name)))
+        for position, name in enumerate(names):
+            connection.execute(sql.SQL("create table {} (id int primary key, body text, n numeric)").format(
+                sql.Identifier(unique_name, name)))
+            connection.execute(sql.SQL("insert into {} select g, md5(g::text), g * 1.5 from generate_series(1, {}) g")
+                               .format(sql.Identifier(unique_name, name), sql.Literal(40 + position)))
+    config = parse_config({
+        "application_identifier": unique_name,
+        "source": {"dsn": postgres_dsn},
+        "queue": {"url": nats_url},
+        "tables": [{"name": f"{unique_name}.{name}"} for name in names],
+        "targets": {"clickhouse": {"url": clickhouse_url, "database": unique_name}},
+        "snapshots": {"retry_delay_seconds": 0, "tables_per_load_run": 2},
+    })
+    return config
+
+
+class SharedHarness(Harness):
+    """The harness over several tables; a shared run is executed as the daemon would launch it."""
+
+    def run(self, request, broken=False):
+        if request.partition_key is not None:
+            return super().run(request, broken)
+        defs = self.broken_defs if broken else self.defs
+        return dg.materialize([defs.resolve_assets_def(request.asset_selection[0])], instance=self.instance,
+                              run_config=request.run_config, tags=request.tags, raise_on_error=False)
+
+    def entries(self):
+        return {name: entry for name, entry in json.loads(self.cursor).items() if not name.startswith("_")}
+
+    def materialized(self, spec):
+        return self.instance.get_materialized_partitions(spec.target_key("clickhouse"))
+
+
+def _source_and_target_rows(config, spec):
+    with source.connect(config.source.dsn) as connection:
+        table = source.table_schema(connection, spec.table)
+    target = ClickHouseTarget(config.targets.clickhouse)
+    try:
+        with psycopg.connect(config.source.dsn) as connection:
+            rows = connection.execute(sql.SQL("select id::text, body, n::text from {}").format(
+                sql.Identifier(table.schema, table.table))).fetchall()
+        return sorted(rows), sorted(target.current_rows_as_text(table))
+    finally:
+        target.close()
+
+
+def test_new_small_tables_load_two_to_a_run_each_recorded_on_its_own_asset(small_tables):
+    specs = table_specs(small_tables)
+    with instance_for_test() as instance:
+        harness = SharedHarness(small_tables, instance)
+        first = harness.tick()
+        shared = [r for r in first.run_requests if r.partition_key is None]
+        own = [r for r in first.run_requests if r.partition_key is not None]
+        # Two tables share a run of the target's loads asset; the third, alone in its chunk, has its own.
+        assert len(shared) == 1 and len(own) == 1
+        [request] = shared
+        assert request.asset_selection == [first_loads_key("clickhouse")]
+        shared_tables = request.run_config["ops"][first_loads_key("clickhouse").to_python_identifier()]["config"]["tables"]
+        assert sorted(shared_tables) == sorted(spec.qualified_name for spec in specs[:2])
+        assert own[0].asset_selection == [specs[2].target_key("clickhouse")]
+        # While the shared run is asked for, its tables' loads are in progress: not asked again (the
+        # third's run is asked again under its key, which the daemon runs once).
+        assert [r.run_key for r in harness.tick().run_requests] == [own[0].run_key]
+        assert all(harness.run(r).success for r in first.run_requests)
+        done = harness.tick()
+        assert done.run_requests == []
+        for spec in specs:
+            [key] = harness.keys_of(spec)
+            assert harness.materialized(spec) == {key}, spec.qualified_name
+            source_side, target_side = _source_and_target_rows(small_tables, spec)
+            assert source_side == target_side and len(source_side) >= 40, spec.qualified_name
+        assert all("load" not in e and BATCHED_KEY not in e and ALONE_KEY not in e for e in harness.entries().values())
+
+
+def test_tables_a_shared_run_did_not_load_load_in_runs_of_their_own(small_tables):
+    specs = table_specs(small_tables)
+    with instance_for_test() as instance:
+        harness = SharedHarness(small_tables, instance)
+        [request] = [r for r in harness.tick().run_requests if r.partition_key is None]
+        result = harness.run(request, broken=True)  # the source refuses: neither table loads
+        assert not result.success
+        errors = [entry.user_message for entry in instance.all_logs(result.run_id) if "not loaded" in entry.user_message]
+        for spec in specs[:2]:  # each table named in its own line
+            assert [line for line in errors if line.startswith(f"{spec.qualified_name}: partition ")], errors
+        harness.tick()  # the shared run ended without them
+        again = harness.tick()
+        names = {f"clickhouse:{spec.qualified_name}" for spec in specs[:2]}
+        assert all(harness.entries()[name].get(ALONE_KEY) for name in names)
+        retried = [r for r in again.run_requests if r.tags.get(AUTOLOAD_TAG) in names]
+        assert sorted(r.asset_selection[0] for r in retried) == sorted(spec.target_key("clickhouse") for spec in specs[:2])
+        assert all(harness.run(r).success for r in retried)
+        harness.tick()
+        for spec in specs[:2]:
+            source_side, target_side = _source_and_target_rows(small_tables, spec)
+            assert source_side == target_side, spec.qualified_name
+            assert ALONE_KEY not in harness.entries()[f"clickhouse:{spec.qualified_name}"]
+
+
+def test_a_shared_run_the_daemon_never_made_counts_as_ended_after_its_grace(small_tables, monkeypatch):
+    with instance_for_test() as instance:
+        harness = SharedHarness(small_tables, instance)
+        assert [r for r in harness.tick().run_requests if r.partition_key is None]
+        # Within the grace the shared run is on its way: its tables are not asked for again.
+        assert all(r.partition_key is None or r.tags[AUTOLOAD_TAG].endswith(".gamma") for r in harness.tick().run_requests)
+        monkeypatch.setattr(shared_loads, "GRACE_SECONDS", 0.0)
+        harness.tick()  # ended without loading: the tables load alone
+        again = harness.tick()
+        alone = [r for r in again.run_requests if not r.tags[AUTOLOAD_TAG].endswith(".gamma")]
+        assert len(alone) == 2 and all(r.partition_key is not None for r in again.run_requests)

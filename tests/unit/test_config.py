@@ -71,6 +71,8 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
          "tables[0] (public.a).on_eror: unknown key (misspelt, or not a setting of this section)"),
         ({"streaming": {"batch_max_mesages": 10}}, "streaming.batch_max_mesages: unknown key"),
         ({"snapshots": {"max_attempts": 0}}, "snapshots.max_attempts: Input should be greater than or equal to 1"),
+        ({"snapshots": {"tables_per_load_run": 0}},
+         "snapshots.tables_per_load_run: Input should be greater than or equal to 1"),
         ({"snapshots": {"autoload": False}}, "snapshots.autoload: unknown key"),
         ({"tables": [{"name": "public.a", "targets": ["clickhous"]}]},
          "tables[0] (public.a).targets: Value error, ['clickhous'] are not targets"),

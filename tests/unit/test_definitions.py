@@ -16,7 +16,7 @@ AWKWARD_TABLES = [
 ]
 
 
-def config(tables=AWKWARD_TABLES, snowflake=True):
+def config(tables=AWKWARD_TABLES, snowflake=True, snapshots=None):
     targets = {"clickhouse": {"url": "http://127.0.0.1:8123"}}
     if snowflake:
         targets["snowflake"] = {"account": "a", "user": "u", "password": "p"}
@@ -25,6 +25,7 @@ def config(tables=AWKWARD_TABLES, snowflake=True):
         "source": {"dsn": "postgresql://siphon@127.0.0.1:5432/app"},
         "tables": tables,
         "targets": targets,
+        **({"snapshots": snapshots} if snapshots else {}),
     })
 
 
@@ -45,7 +46,12 @@ def test_definitions_load_for_awkward_identifiers():
 def test_targets_follow_the_configuration():
     defs = build_definitions(config(tables=[{"name": "public.notes"}], snowflake=False))
     keys = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
-    assert keys == {"postgres/public/notes", "clickhouse/public/notes"}
+    # Besides each table's assets, the target's shared load runs (`snapshots.tables_per_load_run`).
+    assert keys == {"postgres/public/notes", "clickhouse/public/notes", "siphon_loads/clickhouse"}
+    alone = build_definitions(config(tables=[{"name": "public.notes"}], snowflake=False,
+                                     snapshots={"tables_per_load_run": 1}))
+    assert {key.to_user_string() for key in alone.resolve_asset_graph().get_all_asset_keys()} == \
+        {"postgres/public/notes", "clickhouse/public/notes"}
 
 
 def test_streaming_jobs_and_sensors_are_named_as_documented():
@@ -83,7 +89,8 @@ def test_a_table_goes_to_the_targets_it_names():
     defs = build_definitions(config(tables=[{"name": "public.notes"}, {"name": "public.events", "targets": ["snowflake"]}]))
     keys = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
     assert keys == {"postgres/public/notes", "clickhouse/public/notes", "snowflake/public/notes",
-                    "postgres/public/events", "snowflake/public/events"}
+                    "postgres/public/events", "snowflake/public/events", "siphon_loads/clickhouse",
+                    "siphon_loads/snowflake"}
     jobs = {job.name for job in defs.resolve_all_job_defs() if job.name.startswith("stream_")}
     assert jobs == {"stream_clickhouse_notes", "stream_snowflake_notes", "stream_snowflake_events",
                     "stream_clickhouse", "stream_snowflake"}
