@@ -47,13 +47,11 @@ DEMO_TABLES = [
 
 
 def write_instance_config(path: Path) -> None:
-    """The project's dagster.yaml with one snapshot run at a time per target, and none started
-    ahead of a free slot: the demo's partitions are small, and four snapshot runs beside the two
-    streaming runs would take the demo's memory past what a laptop spares (each run is a Python
-    process of about 270 MB)."""
+    """The project's dagster.yaml with one snapshot run at a time per target: the demo's partitions
+    are small, and four snapshot runs beside the two streaming runs would take the demo's memory
+    past what a laptop spares (each run is a Python process of about 270 MB)."""
     instance = yaml.safe_load((ROOT / "dagster.yaml").read_text())
     instance["concurrency"]["pools"]["default_limit"] = DEMO_SNAPSHOT_RUNS_PER_TARGET
-    instance["concurrency"]["pools"]["op_granularity_run_buffer"] = 0
     path.write_text("# Written by the demo from the project's dagster.yaml; only the snapshot pools differ.\n"
                     + yaml.safe_dump(instance, sort_keys=False))
 

@@ -1,5 +1,4 @@
-"""The demo's Dagster home gets the project's instance settings with its own snapshot pool limit,
-and no snapshot run started ahead of a free slot."""
+"""The demo's Dagster home gets the project's instance settings with its own snapshot pool limit."""
 
 from pathlib import Path
 
@@ -16,6 +15,5 @@ def test_demo_instance_config_differs_from_the_project_only_in_the_snapshot_pool
 
     pools, project_pools = demo["concurrency"]["pools"], project["concurrency"]["pools"]
     assert pools["default_limit"] == DEMO_SNAPSHOT_RUNS_PER_TARGET != project_pools["default_limit"]
-    assert pools["op_granularity_run_buffer"] == 0 != project_pools["op_granularity_run_buffer"]
     demo["concurrency"]["pools"] = project_pools
     assert demo == project
