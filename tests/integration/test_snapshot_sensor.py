@@ -745,3 +745,20 @@ def test_a_shared_run_the_daemon_never_made_counts_as_ended_after_its_grace(smal
         again = harness.tick()
         alone = [r for r in again.run_requests if not r.tags[AUTOLOAD_TAG].endswith(".gamma")]
         assert len(alone) == 2 and all(r.partition_key is not None for r in again.run_requests)
+
+
+def test_a_table_taken_out_of_the_configuration_before_its_shared_run_is_skipped_and_the_rest_load(small_tables):
+    specs = table_specs(small_tables)
+    with instance_for_test() as instance:
+        harness = SharedHarness(small_tables, instance)
+        [request] = [r for r in harness.tick().run_requests if r.partition_key is None]
+        # The run starts after a reload without the first table.
+        fewer = small_tables.model_copy(update={"tables": small_tables.tables[1:]})
+        defs = build_definitions(fewer)
+        result = dg.materialize([defs.resolve_assets_def(request.asset_selection[0])], instance=instance,
+                                run_config=request.run_config, tags=request.tags, raise_on_error=False)
+        assert result.success
+        warnings = [entry.user_message for entry in instance.all_logs(result.run_id) if "so not loaded" in entry.user_message]
+        assert warnings and specs[0].qualified_name in warnings[0]
+        assert harness.materialized(specs[0]) == set()
+        assert harness.materialized(specs[1]) == set(harness.keys_of(specs[1]))
