@@ -9,9 +9,12 @@ table's partition materialized on the table's own asset.
 
 Each table's cursor entry keeps the run's id (`BATCHED_KEY`) while its load is in progress, and
 `SharedRuns` tells the sensor whether that run is still active: an active shared run covers the
-table's partition as a run of its own would. A table the run did not load (it failed there, or
-the run was killed) is marked `ALONE_KEY` and loads again in runs of its own, with the usual
-retries and their limit, until it is loaded.
+table's partition as a run of its own would. A table the run did not load (the run was killed
+or never made, or the table failed there) goes into the next tick's shared runs again: a kill -9
+takes every table of the runs in flight, and tens of them each in a run of its own cost minutes of
+run start-ups. After `SHARED_RUNS_PER_TABLE` shared runs ended without it (counted in
+`MISSED_KEY`), it is marked `ALONE_KEY` and loads in runs of its own, with the usual retries and
+their limit, until it is loaded: a table that fails in every run no longer holds up a shared one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from siphon_dagster.table_state import IN_PROGRESS_RUNS
 
 FIRST_LOADS_TAG = "siphon/first_loads"  # on a shared load run: its id
 BATCHED_KEY = "batched"  # in a table's cursor entry: {"id": the run's id, "key": its partition, "at": asked}
-ALONE_KEY = "alone"  # in a table's cursor entry: a shared run did not load it
+MISSED_KEY = "shared_missed"  # in a table's cursor entry: shared runs that ended without loading it
+ALONE_KEY = "alone"  # in a table's cursor entry: that many shared runs did not load it
+SHARED_RUNS_PER_TABLE = 2  # shared runs a table may end without being loaded by, before it loads alone
 # A shared run asked for but still not in the instance after this long (the daemon dropped the
 # request) counts as ended: its tables load again.
 GRACE_SECONDS = 120.0

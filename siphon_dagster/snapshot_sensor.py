@@ -21,7 +21,14 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG, PRIORITY_TAG
 from siphon_core.config import SnapshotsConfig
 from siphon_dagster.assets import first_loads_key, snapshot_pool
 from siphon_dagster.sensors import ADD_PARTITIONS_SECONDS, add_partitions, key_count, partition_requests
-from siphon_dagster.shared_loads import ALONE_KEY, BATCHED_KEY, SharedLoads, SharedRuns
+from siphon_dagster.shared_loads import (
+    ALONE_KEY,
+    BATCHED_KEY,
+    MISSED_KEY,
+    SHARED_RUNS_PER_TABLE,
+    SharedLoads,
+    SharedRuns,
+)
 from siphon_dagster.snapshot.pool_slots import ensure_pool_limit
 from siphon_dagster.snapshot_plan import (
     FAILED,
@@ -513,8 +520,16 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
     if batched is not None and "load" in plan.entry:
         plan.entry[BATCHED_KEY] = batched
     loaded = bool(keys) and partitions.materialized == frozenset(keys)
-    if not loaded and (entry.get(ALONE_KEY) or (batched is not None and "load" not in plan.entry)):
-        plan.entry[ALONE_KEY] = True  # the shared run ended without it: runs of its own from now on
+    missed = int(entry.get(MISSED_KEY, 0)) if not loaded else 0
+    if batched is not None and "load" not in plan.entry and not loaded:  # the shared run ended without it
+        missed += 1
+        alone = missed >= SHARED_RUNS_PER_TABLE
+        context.log.info(f"{name}: its shared load run ended without loading it; it loads again "
+                         + ("in runs of its own" if alone else "with other new tables"))
+    if missed:
+        plan.entry[MISSED_KEY] = missed
+    if not loaded and (entry.get(ALONE_KEY) or missed >= SHARED_RUNS_PER_TABLE):
+        plan.entry[ALONE_KEY] = True  # runs of its own from now on
     if plan.drop_deferred:
         seen = entry.get("seen")  # not acted on (the target did not answer): looked at again next tick
     if seen is not None:

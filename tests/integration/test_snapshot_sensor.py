@@ -16,7 +16,7 @@ from siphon_core.config import parse_config
 from siphon_dagster import shared_loads, snapshot_sensor, source
 from siphon_dagster.assets import first_loads_key, snapshot_pool
 from siphon_dagster.definitions import build_definitions, build_resources
-from siphon_dagster.shared_loads import ALONE_KEY, BATCHED_KEY
+from siphon_dagster.shared_loads import ALONE_KEY, BATCHED_KEY, MISSED_KEY
 from siphon_dagster.snapshot_sensor import (
     AUTOLOAD_TAG,
     DROPPED_METADATA,
@@ -710,8 +710,13 @@ def test_new_small_tables_load_two_to_a_run_each_recorded_on_its_own_asset(small
         assert all("load" not in e and BATCHED_KEY not in e and ALONE_KEY not in e for e in harness.entries().values())
 
 
-def test_tables_a_shared_run_did_not_load_load_in_runs_of_their_own(small_tables):
+def _shared_tables(request):
+    return sorted(request.run_config["ops"][first_loads_key("clickhouse").to_python_identifier()]["config"]["tables"])
+
+
+def test_tables_a_shared_run_did_not_load_go_into_a_shared_run_again_then_into_runs_of_their_own(small_tables):
     specs = table_specs(small_tables)
+    names = {f"clickhouse:{spec.qualified_name}" for spec in specs[:2]}
     with instance_for_test() as instance:
         harness = SharedHarness(small_tables, instance)
         [request] = [r for r in harness.tick().run_requests if r.partition_key is None]
@@ -721,9 +726,17 @@ def test_tables_a_shared_run_did_not_load_load_in_runs_of_their_own(small_tables
         for spec in specs[:2]:  # each table named in its own line
             assert [line for line in errors if line.startswith(f"{spec.qualified_name}: partition ")], errors
         harness.tick()  # the shared run ended without them
+        assert all(harness.entries()[name].get(MISSED_KEY) == 1 for name in names)
+        # A second shared run of both (a kill -9 takes every table of the runs in flight: not their fault).
+        [second] = [r for r in harness.tick().run_requests if r.partition_key is None]
+        assert second.run_key != request.run_key
+        assert _shared_tables(second) == sorted(spec.qualified_name for spec in specs[:2])
+        assert not any(harness.entries()[name].get(ALONE_KEY) for name in names)
+        assert not harness.run(second, broken=True).success
+        harness.tick()  # the second ended without them too: runs of their own from now on
         again = harness.tick()
-        names = {f"clickhouse:{spec.qualified_name}" for spec in specs[:2]}
         assert all(harness.entries()[name].get(ALONE_KEY) for name in names)
+        assert [r for r in again.run_requests if r.partition_key is None] == []
         retried = [r for r in again.run_requests if r.tags.get(AUTOLOAD_TAG) in names]
         assert sorted(r.asset_selection[0] for r in retried) == sorted(spec.target_key("clickhouse") for spec in specs[:2])
         assert all(harness.run(r).success for r in retried)
@@ -731,7 +744,32 @@ def test_tables_a_shared_run_did_not_load_load_in_runs_of_their_own(small_tables
         for spec in specs[:2]:
             source_side, target_side = _source_and_target_rows(small_tables, spec)
             assert source_side == target_side, spec.qualified_name
-            assert ALONE_KEY not in harness.entries()[f"clickhouse:{spec.qualified_name}"]
+            entry = harness.entries()[f"clickhouse:{spec.qualified_name}"]
+            assert ALONE_KEY not in entry and MISSED_KEY not in entry
+
+
+def test_tables_of_a_killed_shared_run_load_in_the_next_shared_run(small_tables):
+    specs = table_specs(small_tables)
+    with instance_for_test() as instance:
+        harness = SharedHarness(small_tables, instance)
+        [request] = [r for r in harness.tick().run_requests if r.partition_key is None]
+        # The daemon starts the run; while it runs, its tables are not asked for again.
+        run = create_run_for_test(instance, job_name="__ASSET_JOB", status=dg.DagsterRunStatus.STARTED,
+                                  tags=request.tags)
+        assert all(r.partition_key is not None for r in harness.tick().run_requests)
+        # Its process is killed before it loads anything: the run monitor marks such a run failed.
+        instance.report_run_failed(run)
+        harness.tick()
+        [second] = [r for r in harness.tick().run_requests if r.partition_key is None]
+        assert _shared_tables(second) == sorted(spec.qualified_name for spec in specs[:2])
+        assert harness.run(second).success
+        harness.tick()
+        for spec in specs[:2]:
+            assert harness.materialized(spec) == set(harness.keys_of(spec)), spec.qualified_name
+            source_side, target_side = _source_and_target_rows(small_tables, spec)
+            assert source_side == target_side, spec.qualified_name
+            entry = harness.entries()[f"clickhouse:{spec.qualified_name}"]
+            assert ALONE_KEY not in entry and MISSED_KEY not in entry and BATCHED_KEY not in entry
 
 
 def test_a_shared_run_the_daemon_never_made_counts_as_ended_after_its_grace(small_tables, monkeypatch):
@@ -741,7 +779,10 @@ def test_a_shared_run_the_daemon_never_made_counts_as_ended_after_its_grace(smal
         # Within the grace the shared run is on its way: its tables are not asked for again.
         assert all(r.partition_key is None or r.tags[AUTOLOAD_TAG].endswith(".gamma") for r in harness.tick().run_requests)
         monkeypatch.setattr(shared_loads, "GRACE_SECONDS", 0.0)
-        harness.tick()  # ended without loading: the tables load alone
+        harness.tick()  # ended without loading: the tables go into a shared run again
+        [second] = [r for r in harness.tick().run_requests if r.partition_key is None]
+        assert len(_shared_tables(second)) == 2
+        harness.tick()  # never made either: the tables load alone
         again = harness.tick()
         alone = [r for r in again.run_requests if not r.tags[AUTOLOAD_TAG].endswith(".gamma")]
         assert len(alone) == 2 and all(r.partition_key is not None for r in again.run_requests)
