@@ -58,6 +58,9 @@ from siphon_dagster.targets.base import TableSchema
 AUTOLOAD_TAG = "siphon/autoload"  # `<target>:<schema>.<table>` on every run this sensor requests
 LOAD_TAG = "siphon/load"  # the load a run belongs to (when the load started)
 ATTEMPT_TAG = "siphon/attempt"  # a retry: which attempt of its partition it is
+# On every load run this sensor asks for, whatever its target: dagster.yaml's run queue caps how many
+# run at once on the machine (`concurrency.runs.tag_concurrency_limits`), beside each target's pool.
+SENSOR_LOAD_TAG = "siphon/sensor_load"
 # Behind streaming runs in the run queue: a load of many partitions never delays a stream's start.
 SNAPSHOT_PRIORITY = "-1"
 # How often a loaded table's presence at its target is checked (a query per table at the target).
@@ -447,8 +450,8 @@ def build_snapshot_sensor(specs: list[TableSpec], group: str, settings: Snapshot
         finally:
             for probe in probes.values():
                 probe.close()
-        run_requests.extend(shared_loads.requests(cursor, {PRIORITY_TAG: SNAPSHOT_PRIORITY, **(specs[0].tags if specs else {})},
-                                                  context.log.info))
+        run_requests.extend(shared_loads.requests(cursor, {PRIORITY_TAG: SNAPSHOT_PRIORITY, SENSOR_LOAD_TAG: "true",
+                                                           **(specs[0].tags if specs else {})}, context.log.info))
         if deferred:
             context.log.info(f"{len(deferred)} table state(s) are recorded at the next ticks (at most "
                              f"{state_events_per_tick} a tick): {', '.join(deferred[:5])}{', ...' * (len(deferred) > 5)}")
@@ -588,7 +591,8 @@ def _request(spec: TableSpec, target: str, key: str, run_key: str, tags: Mapping
         partition_key=key,
         # Not the snapshot-run tag: the op sets it with its worker's identity once it holds a pool
         # slot; a run waiting that long for a slot without a worker tag would look dead.
-        tags={AUTOLOAD_TAG: table_id(spec, target), PRIORITY_TAG: SNAPSHOT_PRIORITY, **spec.tags, **tags},
+        tags={AUTOLOAD_TAG: table_id(spec, target), PRIORITY_TAG: SNAPSHOT_PRIORITY, SENSOR_LOAD_TAG: "true",
+              **spec.tags, **tags},
     )
 
 

@@ -21,6 +21,7 @@ from siphon_dagster.snapshot_sensor import (
     AUTOLOAD_TAG,
     DROPPED_METADATA,
     LOAD_TAG,
+    SENSOR_LOAD_TAG,
     build_snapshot_sensor,
     record_drop,
 )
@@ -696,6 +697,8 @@ def test_new_small_tables_load_two_to_a_run_each_recorded_on_its_own_asset(small
         shared_tables = request.run_config["ops"][first_loads_key("clickhouse").to_python_identifier()]["config"]["tables"]
         assert sorted(shared_tables) == sorted(spec.qualified_name for spec in specs[:2])
         assert own[0].asset_selection == [specs[2].target_key("clickhouse")]
+        # Both count against the machine's cap on the sensor's load runs (dagster.yaml).
+        assert all(r.tags[SENSOR_LOAD_TAG] == "true" for r in first.run_requests)
         # While the shared run is asked for, its tables' loads are in progress: not asked again (the
         # third's run is asked again under its key, which the daemon runs once).
         assert [r.run_key for r in harness.tick().run_requests] == [own[0].run_key]

@@ -68,3 +68,16 @@ def test_one_table_a_run_is_every_table_on_its_own():
 
 def _config(request):
     return request.run_config["ops"][first_loads_key(request.asset_selection[0].path[-1]).to_python_identifier()]["config"]
+
+
+def test_the_projects_instance_caps_the_sensors_load_runs_by_the_tag_it_puts_on_them(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from siphon_dagster.snapshot_sensor import SENSOR_LOAD_TAG
+
+    shutil.copy(Path(__file__).resolve().parents[2] / "dagster.yaml", tmp_path / "dagster.yaml")
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
+    assert [limit["key"] for limit in limits] == [SENSOR_LOAD_TAG]
+    assert limits[0]["limit"] >= 2  # at least one run per target of two at once
