@@ -32,7 +32,8 @@ Figures:
   a poll's queries took.
 - rss_mb / processes: the peak over samples every 2 s of the summed resident memory and the
   number of processes of `dagster dev`'s whole tree (webserver, daemon, code servers, every run
-  worker, its Spark JVM and Python workers if started). Shared pages are counted in each process.
+  worker, its Spark JVM and Python workers if started); processes_at_peak: what they were.
+  Shared pages are counted in each process.
 - rows_differing: at the end, once the producer confirmed the end of the WAL and the runs
   drained, every table's rows (PostgreSQL's text of every column) against the `_current` view.
 - batches_gathered_share: over the steady phase, the streaming run's batches by how they gathered
@@ -932,6 +933,7 @@ def main() -> int:
         writer = Writer(stack.dsn, names, args.rate, args.zipf)
         poller = Poller(stack.clickhouse_url, names)
         samples: list[tuple[float, float, int]] = []
+        peak_roles: dict[str, int] = {}  # what the processes were at the sample with the most of them
         try:
             def producing() -> bool:
                 try:
@@ -961,6 +963,11 @@ def main() -> int:
 
             def sample() -> None:
                 pids = tree(dagster.pid)
+                if not samples or len(pids) > max(s[2] for s in samples):
+                    peak_roles.clear()
+                    for pid in pids:  # a run's worker, streaming or load, is a "streaming run" here
+                        role = "run worker" if (role := role_of(pid)) == "streaming run" else role
+                        peak_roles[role] = peak_roles.get(role, 0) + 1
                 samples.append((time.monotonic() - started, rss_mb(pids), len(pids)))
 
             def machine_parts() -> dict[str, Callable[[], list[int]]]:
@@ -1098,7 +1105,8 @@ def main() -> int:
     figures = {
         "tables": args.tables, "shapes": args.shapes, "rate": args.rate, "instance_storage": args.instance_storage,
         "achieved_rate": achieved_rate,
-        "rss_mb": peak_rss, "processes": peak_processes, "freshness_p50_s": p50, "freshness_p95_s": p95,
+        "rss_mb": peak_rss, "processes": peak_processes, "processes_at_peak": peak_roles,
+        "freshness_p50_s": p50, "freshness_p95_s": p95,
         "freshness_p95_at_poll_return_s": p95_at_return, "poll_query_mean_s": poll_query,
         "poll_interval_mean_s": poll_interval,
         "all_streaming_s": all_streaming if all_streaming is not None else float("nan"),
@@ -1164,6 +1172,7 @@ def main() -> int:
                 f"(instance storage: {args.instance_storage}; load average before: {load_before:.1f})", [
         ("resident memory, Dagster side (MB, peak)", f"{peak_rss:.0f}", f"<= {TARGETS['rss_mb']:.0f}"),
         ("processes, Dagster side (peak)", f"{peak_processes}", f"<= {TARGETS['processes']}"),
+        ("  at the peak", ", ".join(f"{role} {count}" for role, count in sorted(peak_roles.items())), ""),
         ("freshness p50 (s)", f"{p50:.2f}", ""),
         ("freshness p95 (s)", f"{p95:.2f}", f"<= {TARGETS['freshness_p95_s']:.0f}"),
         ("  counted when the poll returned (s)", f"{p95_at_return:.2f}", ""),
