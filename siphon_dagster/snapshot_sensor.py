@@ -528,7 +528,7 @@ def _tick_table(context: dg.SensorEvaluationContext, spec: TableSpec, target: st
         missed += 1
         alone = missed >= SHARED_RUNS_PER_TABLE
         context.log.info(f"{name}: its shared load run ended without loading it; it loads again "
-                         + ("in runs of its own" if alone else "with other new tables"))
+                         + ("in runs of its own" if alone else "in the next shared load run"))
     if missed:
         plan.entry[MISSED_KEY] = missed
     if not loaded and (entry.get(ALONE_KEY) or missed >= SHARED_RUNS_PER_TABLE):
