@@ -670,6 +670,10 @@ class SharedHarness(Harness):
         return self.instance.get_materialized_partitions(spec.target_key("clickhouse"))
 
 
+def _shared_tables(request):
+    return sorted(request.run_config["ops"][first_loads_key("clickhouse").to_python_identifier()]["config"]["tables"])
+
+
 def _source_and_target_rows(config, spec):
     with source.connect(config.source.dsn) as connection:
         table = source.table_schema(connection, spec.table)
@@ -694,8 +698,7 @@ def test_new_small_tables_load_two_to_a_run_each_recorded_on_its_own_asset(small
         assert len(shared) == 1 and len(own) == 1
         [request] = shared
         assert request.asset_selection == [first_loads_key("clickhouse")]
-        shared_tables = request.run_config["ops"][first_loads_key("clickhouse").to_python_identifier()]["config"]["tables"]
-        assert sorted(shared_tables) == sorted(spec.qualified_name for spec in specs[:2])
+        assert _shared_tables(request) == sorted(spec.qualified_name for spec in specs[:2])
         assert own[0].asset_selection == [specs[2].target_key("clickhouse")]
         # Both count against the machine's cap on the sensor's load runs (dagster.yaml).
         assert all(r.tags[SENSOR_LOAD_TAG] == "true" for r in first.run_requests)
@@ -711,10 +714,6 @@ def test_new_small_tables_load_two_to_a_run_each_recorded_on_its_own_asset(small
             source_side, target_side = _source_and_target_rows(small_tables, spec)
             assert source_side == target_side and len(source_side) >= 40, spec.qualified_name
         assert all("load" not in e and BATCHED_KEY not in e and ALONE_KEY not in e for e in harness.entries().values())
-
-
-def _shared_tables(request):
-    return sorted(request.run_config["ops"][first_loads_key("clickhouse").to_python_identifier()]["config"]["tables"])
 
 
 def test_tables_a_shared_run_did_not_load_go_into_a_shared_run_again_then_into_runs_of_their_own(small_tables):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import dagster as dg
 
 from siphon_core.config import parse_config
 from siphon_dagster.assets import first_loads_key
 from siphon_dagster.shared_loads import BATCHED_KEY, FIRST_LOADS_TAG, SharedLoads
+from siphon_dagster.snapshot_sensor import SENSOR_LOAD_TAG
 from siphon_dagster.specs import table_specs
 
 CONFIG = parse_config({
@@ -71,11 +75,6 @@ def _config(request):
 
 
 def test_the_projects_instance_caps_the_sensors_load_runs_by_the_tag_it_puts_on_them(tmp_path):
-    import shutil
-    from pathlib import Path
-
-    from siphon_dagster.snapshot_sensor import SENSOR_LOAD_TAG
-
     shutil.copy(Path(__file__).resolve().parents[2] / "dagster.yaml", tmp_path / "dagster.yaml")
     with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
         limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
