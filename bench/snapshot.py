@@ -24,8 +24,8 @@ beside COPY of the same table to /dev/null.
    pay for it.
 4. One partition covering the whole table: the peak RSS of its process must not grow with the range.
 After each load the `_current` view must hold exactly the source's rows. On a shared machine the
-figures move with the load of other processes, so every load is timed from an idle server (the
-merges an earlier load set off are done), right after its own COPY reference (timed again by the
+figures move with the load of other processes, so every load is timed from an idle server (no
+merge and no change of its parts for QUIET_SECONDS: the merges an earlier load set off are done), right after its own COPY reference (timed again by the
 reference's client), and printed with the load average at its start and the server's CPU time, of
 it in the kernel. Ends with one JSON line.
 """
@@ -269,13 +269,27 @@ def prepare(destination: Destination) -> None:
         target.close()
 
 
+# The embedded server's tables look for merges every 5 s when idle (siphon_stack.clickhouse.engine),
+# so the merges of a load that just ended may not have started yet: the server counts as idle once
+# it has run no merge and its parts stayed as they were for longer than that.
+QUIET_SECONDS = 6.0
+
+
 def wait_for_merges(clickhouse_url: str, timeout: float = 120.0) -> None:
-    """Until the server runs no merge: a load must not pay for the merges of the load before it."""
+    """Until the server has run no merge and changed no part for QUIET_SECONDS: a load must not pay
+    for the merges of the load before it."""
     url = urlparse(clickhouse_url)
     client = clickhouse_connect.get_client(host=url.hostname, port=url.port)
     try:
         deadline = time.monotonic() + timeout
-        while client.query("SELECT count() FROM system.merges").result_rows[0][0] and time.monotonic() < deadline:
+        quiet_since, last_parts = time.monotonic(), None
+        while time.monotonic() < deadline:
+            merges, parts = client.query(
+                "SELECT (SELECT count() FROM system.merges), (SELECT count() FROM system.parts WHERE active)").result_rows[0]
+            if merges or parts != last_parts:
+                quiet_since, last_parts = time.monotonic(), parts
+            elif time.monotonic() - quiet_since >= QUIET_SECONDS:
+                return
             time.sleep(0.5)
     finally:
         client.close()
