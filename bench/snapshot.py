@@ -13,10 +13,10 @@ beside COPY of the same table to /dev/null.
    run: two at a time (the local `siphon_snapshot_clickhouse` pool limit), and one worker taking
    the partitions one after another. Dagster's own per-run overhead (launching the run, the event
    log) is not counted. Each load is repeated `--repeat` times; the best is reported.
-   Beside the 2-at-a-time pass, the same partitions in one Dagster run, as a backfill from the UI or `siphon-dagster
-   snapshot --partitions all` makes it, with the repository's dagster.yaml: the run reads as many
-   partitions at a time as the pool lets it (its rate is the run's own, from its materialization;
-   the whole command, Dagster's start-up included, is printed beside it). The run is compared with
+   Beside the 2-at-a-time pass, the same partitions in one Dagster run, as a backfill from the UI
+   or `siphon-dagster snapshot --partitions all` makes it, with the repository's dagster.yaml: the
+   run reads as many partitions at a time as the pool lets it (its rate is the run's own, from its
+   materialization; the whole command, Dagster's start-up included, is printed beside it). The run is compared with
    the 2-at-a-time pass loaded right beside it, in rounds (--repeat) where the two take turns at
    going first, before the 1-at-a-time pass: on a shared host the server's writes can cost it
    several times the kernel time from one load to the next (1.1 s, then 4 - 7 s, for the same
@@ -25,9 +25,9 @@ beside COPY of the same table to /dev/null.
 4. One partition covering the whole table: the peak RSS of its process must not grow with the range.
 After each load the `_current` view must hold exactly the source's rows. On a shared machine the
 figures move with the load of other processes, so every load is timed from an idle server (no
-merge and no change of its parts for QUIET_SECONDS: the merges an earlier load set off are done), right after its own COPY reference (timed again by the
-reference's client), and printed with the load average at its start and the server's CPU time, of
-it in the kernel. Ends with one JSON line.
+merge and no change of its parts for QUIET_SECONDS: the merges an earlier load set off are done),
+right after its own COPY reference (timed again by the reference's client), and printed with the
+load average at its start and the server's CPU time, of it in the kernel. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -185,17 +185,20 @@ def cpu_seconds_self() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name, from the state on."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int, children: bool = False) -> float:
     """CPU time of a process; with `children`, also of its exited children (PostgreSQL's backends)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = sum(int(value) for value in fields[11:15 if children else 13])
+    ticks = sum(int(value) for value in _stat_fields(pid)[11:15 if children else 13])
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def kernel_seconds(pid: int) -> float:
     """The part of a process's CPU time spent in the kernel (its writes, page faults)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
+    return int(_stat_fields(pid)[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:
