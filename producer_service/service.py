@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -62,15 +63,17 @@ class ProducerService:
         self._stop = asyncio.Event()
         self._tracker = ProgressTracker()
         self._publisher: Publisher | None = None
-        self._last_status_sent = 0.0
-        self._last_heartbeat = 0.0
-        self._gauges_at = 0.0
+        # Times on the monotonic clock, which counts from the machine's boot: "never" is -inf, not 0,
+        # or on a machine up for less than an interval the first one waited for the uptime to pass it.
+        self._last_status_sent = -math.inf
+        self._last_heartbeat = -math.inf
+        self._gauges_at = -math.inf
         self._buffered_events = 0
         self.confirmed_lsn = 0
         self._excluded = {(t.schema_name, t.table_name): set(t.exclude_columns) for t in config.tables}
         self._catalog: RelationCatalog | None = None
         self._watcher = ConfigWatcher(config_path, config) if config_path else None
-        self._config_checked_at = 0.0
+        self._config_checked_at = -math.inf
         self._table_change_error: str | None = None
         self._queue: JetStreamQueue | None = None
         limits = PackageLimits(
@@ -92,7 +95,7 @@ class ProducerService:
         """Read siphon.yaml for table changes at the next turn of the loop (SIGHUP)."""
         if self._watcher is not None:
             self._watcher.request_check()
-            self._config_checked_at = 0.0
+            self._config_checked_at = -math.inf
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -252,9 +255,8 @@ class ProducerService:
                 self._heartbeat(control)
             if now - self._gauges_at >= _GAUGE_SECONDS:
                 self._update_gauges()
-            if self._watcher is not None and producer.config_check_seconds \
-                    and now - self._config_checked_at >= producer.config_check_seconds:
-                self._check_config(control)
+            if self.config_check_due(now):
+                self._check_config(control, now)
             if not batch:
                 await self._wait_readable(replication.fileno(), min(0.2, producer.flush_interval_seconds))
 
@@ -270,9 +272,20 @@ class ProducerService:
 
     # -- tables added and removed ----------------------------------------------------------------
 
-    def _check_config(self, control: psycopg.Connection[Any]) -> None:
+    def config_check_due(self, now: float) -> bool:
+        """Whether the loop reads siphon.yaml at this turn (`now` on the monotonic clock): every
+        producer.config_check_seconds (0: only on SIGHUP), at the first turn, and at the turn after a
+        SIGHUP."""
+        if self._watcher is None:
+            return False
+        if self._config_checked_at == -math.inf:
+            return True
+        seconds = self.config.producer.config_check_seconds
+        return bool(seconds) and now - self._config_checked_at >= seconds
+
+    def _check_config(self, control: psycopg.Connection[Any], now: float) -> None:
         assert self._watcher is not None
-        self._config_checked_at = time.monotonic()
+        self._config_checked_at = now
         change = self._watcher.poll()
         if change is not None:
             self._apply_table_change(control, change)

@@ -230,7 +230,7 @@ class ProducerConfig(_Model):
     # that connection; it then reconnects up to `connect_retries` times and exits 1.
     publish_retry_seconds: float = Field(default=120.0, gt=0)
     # How often the producer reads siphon.yaml again for tables added or removed (SIGHUP: at once);
-    # 0: only at start.
+    # 0: only at start and on SIGHUP.
     config_check_seconds: float = Field(default=5.0, ge=0)
     # "exit" (default) or "wait" when another producer holds this application's lock.
     on_lock_held: str = "exit"
