@@ -214,6 +214,11 @@ class ProducerService:
                                             application_name=f"siphon-producer {self.config.application_identifier}")
         try:
             replication.start(self.slot, [self.publication], start_lsn=0, messages=True)
+            # The file may have changed since it was loaded: its table list is in force before the
+            # producer reports itself streaming, so a change written after that is never taken for
+            # one written before.
+            if self.config_check_due(time.monotonic()):
+                self._check_config(control, time.monotonic())
             self.metrics.healthy = True
             log.info("streaming", slot=self.slot, publication=self.publication)
             await self._loop(replication, control)
@@ -274,8 +279,8 @@ class ProducerService:
 
     def config_check_due(self, now: float) -> bool:
         """Whether the loop reads siphon.yaml at this turn (`now` on the monotonic clock): every
-        producer.config_check_seconds (0: only on SIGHUP), at the first turn, and at the turn after a
-        SIGHUP."""
+        producer.config_check_seconds (0: only on SIGHUP), once as streaming starts, and at the turn
+        after a SIGHUP."""
         if self._watcher is None:
             return False
         if self._config_checked_at == -math.inf:
