@@ -619,6 +619,8 @@ class SiphonConfig(_Model):
             for name in tables:
                 if name not in configured:
                     raise ValueError(f"streaming.groups.{group}: table '{name}' is not configured under tables:")
+                if owner.get(name) == group:
+                    raise ValueError(f"streaming.groups.{group}: table '{name}' is listed twice")
                 if name in owner:
                     raise ValueError(f"streaming.groups: table '{name}' is in both group '{owner[name]}' and group "
                                      f"'{group}'; a table is served by one group")

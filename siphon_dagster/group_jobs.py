@@ -15,7 +15,13 @@ import dagster as dg
 
 from siphon_core.config import TableConfig
 from siphon_dagster.run_liveness import in_step_process, stop_when_orphaned, worker_tags
-from siphon_dagster.stream_groups import ENDED_BY_INTERRUPT, ENDED_BY_TAG, StreamGroup
+from siphon_dagster.stream_groups import (
+    APPLICATION_TAG,
+    ENDED_BY_INTERRUPT,
+    ENDED_BY_TAG,
+    StreamGroup,
+    runs_applying,
+)
 from siphon_dagster.streaming.materializations import AggregatedBatches
 from siphon_dagster.table_state import STREAM_STOPPED
 
@@ -130,6 +136,16 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
                           "run_id": context.run_id},
             ))
 
+        # Two runs must never pull one table's consumer: a run already applying one of the group's
+        # tables (a group run started by hand beside the sensor's, a single-table drain) goes first.
+        others = runs_applying(context.instance, group.tags[APPLICATION_TAG], group.target, group.tables,
+                               time.time(), exclude_run_id=context.run_id)
+        if others:
+            described = "; ".join(f"run {run.run_id} of job {run.job_name} applies {', '.join(tables)}"
+                                  for run, tables in others)
+            raise dg.Failure(f"{group.job_name}: other runs already apply tables of this group to {group.target} "
+                             f"({described}); a second run would pull the same consumers. Stop them first: the "
+                             "streaming sensor starts this job once they have ended")
         stale = {key: value for key, value in group.served_tags.items() if context.run.tags.get(key) != value}
         if stale:
             # The run was made from an older copy of this job (the code location reloaded since):
@@ -195,16 +211,23 @@ def build_group_stream_job(group: StreamGroup) -> dg.JobDefinition:
             # Batches applied and acked whose reports an interrupt cancelled: the table the stream
             # made is the snapshot sensor's signal to load it, and each table's latest
             # materialization says what it applied last, in one event a table.
-            for report in runner.unreported_batches():
-                if not created_tables.hold(report):
-                    limiter.absorb(report)
-            answer_created(absorb=True)
-            log_made()
-            for aggregate in limiter.flush(time.monotonic()):
-                materialize(aggregate)
-            for target in [*targets.values(), *opened]:
-                target.close()
-            source.close()
+            # A failure here (the event log's storage) must neither hide why the run ended nor keep
+            # the connections open.
+            try:
+                for report in runner.unreported_batches():
+                    if not created_tables.hold(report):
+                        limiter.absorb(report)
+                answer_created(absorb=True)
+                log_made()
+                for aggregate in limiter.flush(time.monotonic()):
+                    materialize(aggregate)
+            except Exception as error:
+                context.log.warning(f"the run's last materializations could not be recorded: {error}")
+            for closable in [*targets.values(), *opened, source]:
+                try:
+                    closable.close()
+                except Exception as error:
+                    context.log.warning(f"closing a connection failed: {error}")
         batches = sum(s.batches for s in summary.tables.values())
         events = sum(s.events for s in summary.tables.values())
         context.log.info(f"{len(specs)} tables, {batches} batches, {events} events in "

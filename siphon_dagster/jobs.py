@@ -7,7 +7,7 @@ import dagster as dg
 from siphon_core import naming
 from siphon_dagster.run_liveness import WORKER_TAG, stop_when_orphaned, worker_identity
 from siphon_dagster.specs import TableSpec
-from siphon_dagster.stream_groups import APPLICATION_TAG, STREAM_TAG, group_runs_serving
+from siphon_dagster.stream_groups import APPLICATION_TAG, STREAM_TAG, runs_applying
 
 
 class StreamRunConfig(dg.Config):
@@ -79,15 +79,15 @@ def build_stream_job(spec: TableSpec, target: str) -> dg.JobDefinition:
                 metadata=metadata,
             ))
 
-        # Two runs must never pull one table's consumer: a group run serving the table goes first.
-        serving = group_runs_serving(context.instance, spec.tags[APPLICATION_TAG], target, spec.qualified_name,
-                                     time.time(), exclude_run_id=context.run_id)
+        # Two runs must never pull one table's consumer: a run already applying the table goes first.
+        serving = runs_applying(context.instance, spec.tags[APPLICATION_TAG], target, [spec.qualified_name],
+                                time.time(), exclude_run_id=context.run_id)
         if serving:
-            run = serving[0]
+            run = serving[0][0]
             raise dg.Failure(
-                f"table {spec.qualified_name} (target {target}) is being applied by run {run.run_id} of group job "
-                f"{run.job_name}; a single-table run would pull the same consumer. Stop that run (and its sensor, "
-                "or move the table out of the group) before running this job")
+                f"table {spec.qualified_name} (target {target}) is being applied by run {run.run_id} of job "
+                f"{run.job_name}; a second run would pull the same consumer. Stop that run (and, for a group run, "
+                "its sensor, or move the table out of the group) before running this job")
         # Lets the streaming sensor tell this run from one whose worker died (run_liveness).
         context.instance.add_run_tags(context.run_id, {WORKER_TAG: worker_identity()})
         destination = getattr(context.resources, resource_key).open_target()

@@ -27,6 +27,22 @@ IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.D
 SNAPSHOT_RUN_TAG = "siphon/snapshot"  # a run that snapshots block ranges (it holds a pool slot)
 # A run that never tagged itself this long after it started lost its worker before the op began.
 UNTAGGED_GRACE_SECONDS = 600.0
+RUN_RECORDS_PAGE = 500
+
+
+def all_run_records(instance: dg.DagsterInstance, filters: dg.RunsFilter) -> list[dg.RunRecord]:
+    """Every run record `filters` matches, newest first, read a page at a time. A read capped at a
+    number of runs would miss the oldest: a streaming run started days ago sits behind every run
+    queued since (a backfill of a large table queues a run per partition), and a sensor that
+    missed it would start a second run of its tables."""
+    records: list[dg.RunRecord] = []
+    cursor: str | None = None
+    while True:
+        page = instance.get_run_records(filters, limit=RUN_RECORDS_PAGE, cursor=cursor)
+        records += page
+        if len(page) < RUN_RECORDS_PAGE:
+            return records
+        cursor = page[-1].dagster_run.run_id
 
 
 def _parent_of(pid: int) -> int | None:

@@ -80,6 +80,7 @@ REMOVALS_READ_KEY = "_removals_read"
 # all 200 of a first start in one tick took the code server 2.4 s while the streaming run began.
 REMOVAL_READS_PER_TICK = 25
 REMOVED_KEY = "_unreplicated"  # in it too: table id -> when it was recorded as no longer replicated
+LINGERING_KEY = "lingering"  # in it too: run id -> when its lingering worker was first interrupted
 
 
 def read_tables(connection, specs: list[TableSpec],
@@ -375,7 +376,8 @@ def build_streaming_sensor(groups: list[StreamGroup], sensor_prefix: str, jobs: 
             if state.get(SWEPT_KEY) == clock:  # swept (an unreachable queue is tried again next tick)
                 state[SWEPT_TABLES_KEY] = configured_digest
         for name in set(state) - {jobs[group.key].name for group in groups} - {SWEPT_KEY, SWEPT_TABLES_KEY,
-                                                                                REMOVED_KEY, REMOVALS_READ_KEY}:
+                                                                                REMOVED_KEY, REMOVALS_READ_KEY,
+                                                                                LINGERING_KEY}:
             del state[name]  # a group that no longer exists
         if stale:
             state["siphon.yaml"] = stale
@@ -410,7 +412,7 @@ def _stop_lingering_workers(context: dg.SensorEvaluationContext, application: st
     new run of their tables waits for them. A worker that outlived its run by
     LINGERING_AFTER_END_SECONDS is interrupted, then killed; `state` (the sensor's cursor)
     remembers when each was first interrupted."""
-    interrupted = state.get("lingering", {})
+    interrupted = state.get(LINGERING_KEY, {})
     lingering = lingering_streaming_runs(context.instance, application, now)
     still = {}
     for run, pid, ended in lingering:
@@ -428,9 +430,9 @@ def _stop_lingering_workers(context: dg.SensorEvaluationContext, application: st
             continue
         still[run.run_id] = first if first is not None else now
     if still:
-        state["lingering"] = still
+        state[LINGERING_KEY] = still
     else:
-        state.pop("lingering", None)
+        state.pop(LINGERING_KEY, None)
     return [run for run, _, _ in lingering]
 
 

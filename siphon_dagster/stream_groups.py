@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import dagster as dg
@@ -18,7 +20,7 @@ from siphon_core.config import DEFAULT_GROUP, SiphonConfig
 from siphon_dagster.specs import TableSpec
 
 GROUP_TAG = "siphon/stream-group"  # `<target>:<group>`
-TABLES_TAG = "siphon/stream-tables"  # the tables served, comma-separated schema.table names
+TABLES_TAG = "siphon/stream-tables"  # the tables served: a JSON list of schema.table names
 TABLES_HASH_TAG = "siphon/stream-tables-hash"  # a digest of that list, compared by the sensor
 APPLICATION_TAG = "siphon/application"
 STREAM_TAG = "siphon/stream"  # `<target>:<schema.table>` on a single-table run (siphon_dagster.jobs)
@@ -62,7 +64,8 @@ class StreamGroup:
     def served_tags(self) -> dict[str, str]:
         """The tags that say which tables a run of this group applies: the sensor's one source of
         truth that no two runs apply one table."""
-        return {GROUP_TAG: self.key, TABLES_TAG: ",".join(self.tables), TABLES_HASH_TAG: self.tables_hash}
+        return {GROUP_TAG: self.key, TABLES_TAG: json.dumps(list(self.tables), ensure_ascii=False),
+                TABLES_HASH_TAG: self.tables_hash}
 
 
 def tables_hash(tables: tuple[str, ...] | list[str]) -> str:
@@ -75,8 +78,18 @@ def served_tables(run: dg.DagsterRun) -> tuple[str, str, set[str]] | None:
     if key is None:
         return None
     target, _, group = key.partition(":")
-    tables = run.tags.get(TABLES_TAG, "")
-    return target, group, set(tables.split(",")) if tables else set()
+    return target, group, _tagged_tables(run.tags.get(TABLES_TAG, ""))
+
+
+def _tagged_tables(value: str) -> set[str]:
+    """The tables of a TABLES_TAG value: a JSON list, since a table's name may hold a comma; a
+    run tagged by an earlier version joined them with commas."""
+    if value.startswith("["):
+        try:
+            return set(json.loads(value))
+        except ValueError:
+            pass
+    return set(value.split(",")) if value else set()
 
 
 def streamed_tables(run: dg.DagsterRun) -> tuple[str, set[str]] | None:
@@ -111,10 +124,9 @@ def live_streaming_runs(instance: dg.DagsterInstance, application_tag: str, now:
                         ) -> list[tuple[dg.DagsterRun, str | None]]:
     """The application's in-progress streaming runs (group and single-table), each with why its
     worker is gone (None: it may be alive)."""
-    from siphon_dagster.run_liveness import IN_PROGRESS, dead_run_reason
+    from siphon_dagster.run_liveness import IN_PROGRESS, all_run_records, dead_run_reason
 
-    records = instance.get_run_records(dg.RunsFilter(statuses=IN_PROGRESS, tags={APPLICATION_TAG: application_tag}),
-                                       limit=1000)
+    records = all_run_records(instance, dg.RunsFilter(statuses=IN_PROGRESS, tags={APPLICATION_TAG: application_tag}))
     return [(r.dagster_run, dead_run_reason(r.dagster_run, r.start_time, now)) for r in records
             if GROUP_TAG in r.dagster_run.tags or STREAM_TAG in r.dagster_run.tags]
 
@@ -130,11 +142,11 @@ def lingering_streaming_runs(instance: dg.DagsterInstance, application_tag: str,
     worker process still runs on this host, each with that process's id and when the run ended.
     Such a worker still applies its tables: run monitoring marks a cancellation done after its
     timeout whether or not the worker stopped."""
-    from siphon_dagster.run_liveness import live_worker_pid
+    from siphon_dagster.run_liveness import all_run_records, live_worker_pid
 
     ended = [dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE]
-    records = instance.get_run_records(dg.RunsFilter(statuses=ended, tags={APPLICATION_TAG: application_tag},
-                                                     updated_after=_utc(now - LINGERING_WITHIN_SECONDS)), limit=200)
+    records = all_run_records(instance, dg.RunsFilter(statuses=ended, tags={APPLICATION_TAG: application_tag},
+                                                      updated_after=_utc(now - LINGERING_WITHIN_SECONDS)))
     lingering = []
     for record in records:
         run = record.dagster_run
@@ -150,12 +162,17 @@ def _utc(timestamp: float) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(timestamp, tz=datetime.UTC)
 
 
-def group_runs_serving(instance: dg.DagsterInstance, application_tag: str, target: str, table: str, now: float,
-                       exclude_run_id: str | None = None) -> list[dg.DagsterRun]:
-    """Live group runs that apply `table` to `target`."""
-    serving = []
+def runs_applying(instance: dg.DagsterInstance, application_tag: str, target: str, tables: Iterable[str],
+                  now: float, exclude_run_id: str | None = None) -> list[tuple[dg.DagsterRun, list[str]]]:
+    """Live streaming runs (group or single-table) other than `exclude_run_id` that apply any of
+    `tables` to `target`, each with those of `tables` it applies: a run about to pull those
+    tables' consumers must not start beside them."""
+    wanted = set(tables)
+    applying = []
     for run, dead in live_streaming_runs(instance, application_tag, now):
-        served = served_tables(run)
-        if dead is None and run.run_id != exclude_run_id and served and served[0] == target and table in served[2]:
-            serving.append(run)
-    return serving
+        streamed = streamed_tables(run)
+        if dead is None and run.run_id != exclude_run_id and streamed and streamed[0] == target:
+            shared = wanted & streamed[1]
+            if shared:
+                applying.append((run, sorted(shared)))
+    return applying

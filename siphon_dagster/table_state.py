@@ -19,16 +19,15 @@ from typing import Any
 import dagster as dg
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG
 
+from siphon_dagster.run_liveness import IN_PROGRESS, all_run_records
 from siphon_dagster.snapshot_plan import Partitions
 from siphon_dagster.stream_groups import APPLICATION_TAG, streamed_tables
 
-IN_PROGRESS_RUNS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-                    dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+IN_PROGRESS_RUNS = IN_PROGRESS
 # A streaming batch's materialization: the snapshot's carry no LSN. A few snapshot partitions may
 # come between two batches; further back, the table has not streamed lately.
 _BATCH_LOOKBACK = 25
-_LISTED = 5
-_IN_PROGRESS_LOOKUP = 5000  # runs in progress on an instance; streaming and checks runs among them  # partitions named in the state line; the metadata lists them all
+_LISTED = 5  # partitions named in the state line; the metadata lists them all
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,8 @@ def streaming_states(instance: dg.DagsterInstance, application_tag: str) -> dict
     """(target, schema.table) -> "running" or "starting" for every table an in-progress streaming
     run of the application serves: the group runs (by the tables they are tagged with) and
     single-table drains. One query for every table; a table left out is `NOT_STREAMING`."""
-    records = instance.get_run_records(dg.RunsFilter(statuses=IN_PROGRESS_RUNS, tags={APPLICATION_TAG: application_tag}),
-                                       limit=1000)
+    records = all_run_records(instance, dg.RunsFilter(statuses=IN_PROGRESS_RUNS,
+                                                      tags={APPLICATION_TAG: application_tag}))
     states: dict[tuple[str, str], str] = {}
     for record in records:
         run = record.dagster_run
@@ -107,7 +106,7 @@ def snapshot_runs_in_progress(instance: dg.DagsterInstance, asset_key: dg.AssetK
     """The runs, queued or running, that write block ranges of the asset into its live table: a
     partition or a range of them, from the snapshot sensor, a backfill, the UI or the CLI. (A resync
     loads a shadow table and leaves the live one whole until its swap.)"""
-    records = instance.get_run_records(dg.RunsFilter(statuses=IN_PROGRESS_RUNS), limit=_IN_PROGRESS_LOOKUP)
+    records = all_run_records(instance, dg.RunsFilter(statuses=IN_PROGRESS_RUNS))
     return [record.dagster_run for record in records
             if asset_key in (record.dagster_run.asset_selection or ())
             and (PARTITION_NAME_TAG in record.dagster_run.tags

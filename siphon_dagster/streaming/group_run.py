@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from siphon_core.config import TableConfig
 from siphon_core.logs import get_logger
@@ -95,6 +95,7 @@ class GroupRunner:
         self._heap_settled = False
         self._started_at = 0.0
         self._streaming_tables: set[str] = set()  # tables that applied a batch in this run
+        self._streaks = FailureStreaks(retry_initial_seconds, retry_max_seconds)
         # Reports (Dagster events, metrics) are written by one thread of their own, in order: an
         # event log write waits on its storage, and the event loop must never wait with it.
         self._reporter: ThreadPoolExecutor | None = None
@@ -209,10 +210,10 @@ class GroupRunner:
         def report(state: RetryCallState) -> None:
             error = state.outcome.exception() if state.outcome else None
             wait = state.next_action.sleep if state.next_action else None
-            self._report(self.on_failure, TableFailure(table.name, error, state.attempt_number, wait))
+            self._report(self.on_failure, TableFailure(table.name, error, self._streaks.count(table.name), wait))
 
         retrying = AsyncRetrying(
-            wait=wait_exponential(multiplier=self.retry_initial_seconds, max=self.retry_max_seconds),
+            wait=lambda _state: self._streaks.failed(table.name),
             retry=retry_if_exception_type(Exception),
             before_sleep=report,
             sleep=self._sleep,
@@ -262,6 +263,7 @@ class GroupRunner:
                       seconds=round(time.monotonic() - self._started_at, 1))
 
     def _batch(self, report: BatchReport, totals: RunSummary) -> None:
+        self._streaks.applied(report.table)
         if self.pace is not None:
             self.pace.record(report.table)
         if report.table not in self._streaming_tables:
@@ -296,6 +298,29 @@ class GroupRunner:
         while True:
             await asyncio.sleep(self.tick_seconds)
             self._report(self.tick)
+
+
+class FailureStreaks:
+    """Each table's failures since it last applied a batch, and the wait before its next start:
+    `initial` seconds doubling up to `maximum`. A table that streamed again since its last failure
+    starts over from `initial`: a stop days after the last one is no reason to wait ten minutes."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self._streaks: dict[str, int] = {}
+
+    def failed(self, table: str) -> float:
+        """Counts a failure of `table`; returns how long it waits before it starts again."""
+        streak = self._streaks.get(table, 0) + 1
+        self._streaks[table] = streak
+        return min(self.maximum, self.initial * 2 ** (streak - 1))
+
+    def applied(self, table: str) -> None:
+        self._streaks.pop(table, None)
+
+    def count(self, table: str) -> int:
+        return self._streaks.get(table, 0)
 
 
 def settle_heap() -> None:

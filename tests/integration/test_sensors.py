@@ -388,13 +388,14 @@ def test_an_untagged_run_counts_as_dead_only_long_after_it_started():
     assert "never reported" in dead_run_reason(run, started_at=1e9 - 3600, now=1e9)
 
 
-def _tick_at(config, instance: dg.DagsterInstance, now: float) -> dg.SensorResult:
+def _tick_at(config, instance: dg.DagsterInstance, now: float, cursor: str | None = None) -> dg.SensorResult:
     """A tick of the streaming sensor as if the clock read `now`."""
     defs = build_definitions(config)
     groups = stream_groups(config, table_specs(config))
     jobs = {group.key: defs.resolve_job_def(group.job_name) for group in groups}
     sensor = build_streaming_sensor(groups, "later", jobs, failure_threshold=3, now=lambda: now)
-    return sensor(dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs))
+    return sensor(dg.build_sensor_context(instance=instance, resources=build_resources(config), definitions=defs,
+                                          cursor=cursor))
 
 
 def _failed_runs(config, instance: dg.DagsterInstance, count: int, tags: dict[str, str] | None = None) -> str:
@@ -559,8 +560,8 @@ def test_first_tick_starts_one_run_per_target_and_group(config):
         schema = table_specs(grouped)[0].schema
         tables = {name: defs.resolve_job_def(name).tags["siphon/stream-tables"]
                   for name in ("stream_clickhouse", "stream_clickhouse__hot")}
-        assert tables == {"stream_clickhouse": f"{schema}.grows,{schema}.orders",
-                          "stream_clickhouse__hot": f"{schema}.events"}
+        assert tables == {"stream_clickhouse": json.dumps([f"{schema}.grows", f"{schema}.orders"]),
+                          "stream_clickhouse__hot": json.dumps([f"{schema}.events"])}
         # Each request names its group's tables itself: a daemon holding an older copy of the job
         # (the code location just reloaded) still makes the run with the tables it applies.
         requested = {r.job_name: r.tags.get("siphon/stream-tables") for r in result.run_requests}
@@ -657,6 +658,51 @@ def test_a_run_recorded_canceled_whose_worker_runs_on_holds_back_its_replacement
         worker.stop()
         assert [r.job_name for r in tick(defs, config, instance, "_streaming").run_requests] == \
             [streaming_job_name(config)]
+
+
+def test_a_lingering_worker_is_interrupted_then_killed_over_the_sensor_s_ticks(config):
+    """The sensor's cursor remembers when it interrupted a worker that outlived its run: a worker
+    that ignores the interrupt is killed at a later tick, and its tables' new run starts."""
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert stubborn.stdout is not None and stubborn.stdout.readline().strip() == "ready"
+        with instance_for_test() as instance:
+            lingering = group_run(instance, config, tags={WORKER_TAG: worker_identity(stubborn.pid)})
+            instance.report_run_canceled(instance.get_run_by_id(lingering.run_id))
+            ended = time.time()
+            interrupted_at = ended + sensors.LINGERING_AFTER_END_SECONDS + 1
+            first = _tick_at(config, instance, interrupted_at)
+            assert first.run_requests == []
+            assert json.loads(first.cursor)[sensors.LINGERING_KEY] == {lingering.run_id: interrupted_at}
+            time.sleep(0.5)
+            assert stubborn.poll() is None  # interrupted, and it ignores that
+            second = _tick_at(config, instance, interrupted_at + sensors.LINGERING_KILL_AFTER_SECONDS, cursor=first.cursor)
+            assert stubborn.wait(10) == -9
+            assert second.run_requests == []  # the worker was still there as the tick began
+            third = _tick_at(config, instance, interrupted_at + sensors.LINGERING_KILL_AFTER_SECONDS + 15,
+                             cursor=second.cursor)
+            assert [r.job_name for r in third.run_requests] == [streaming_job_name(config)]
+            assert sensors.LINGERING_KEY not in json.loads(third.cursor)
+    finally:
+        stubborn.kill()
+        stubborn.wait()
+
+
+def test_a_group_run_refuses_to_start_while_another_run_applies_its_tables(config):
+    defs = build_definitions(config)
+    with instance_for_test() as instance:
+        live = group_run(instance, config, tags={WORKER_TAG: worker_identity()})
+        job = defs.resolve_job_def(streaming_job_name(config))
+        result = job.execute_in_process(instance=instance, raise_on_error=False,
+                                        run_config={"ops": {job.graph.node_defs[0].name:
+                                                            {"config": {"stop_when_drained": True}}}})
+        assert not result.success
+        message = result.failure_data_for_node(job.graph.node_defs[0].name).error.message
+        assert live.run_id in message and table_specs(config)[0].qualified_name in message
+        # It failed before it pulled anything: the live run's consumer is left alone.
+        assert "siphon/worker" not in instance.get_run_by_id(result.run_id).tags
 
 
 def test_a_single_table_run_by_hand_holds_back_the_group_run(config, worker):

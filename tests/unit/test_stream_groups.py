@@ -51,6 +51,11 @@ def test_a_table_in_two_groups_is_refused_naming_both_groups():
         with_groups({"hot": ["public.notes"], "cold": ["public.events", "public.notes"]})
 
 
+def test_a_table_listed_twice_in_one_group_is_refused_naming_the_group():
+    with pytest.raises(ConfigError, match=r"streaming.groups.hot: table 'public.notes' is listed twice"):
+        with_groups({"hot": ["public.notes", "public.events", "public.notes"]})
+
+
 @pytest.mark.parametrize("name", ["default", "a-b", "x y"])
 def test_a_group_name_must_be_a_word_other_than_default(name):
     with pytest.raises(ConfigError, match=f"streaming.groups: .*group '{name}'"):
@@ -195,3 +200,60 @@ def test_the_tables_streaming_are_read_off_the_group_runs_and_single_table_drain
 
     assert states == {("clickhouse", "audit.log"): "running", ("clickhouse", "public.notes"): "running",
                       ("snowflake", "public.events"): "starting", ("snowflake", "public.notes"): "starting"}
+
+
+def test_a_table_whose_name_holds_a_comma_is_one_table_in_its_run_s_tags():
+    import dagster as dg
+
+    config = parse_config({**BASE, "tables": [{"name": "public.a,b"}, {"name": "public.a"}],
+                           "targets": {"clickhouse": {"url": "http://127.0.0.1:8123"}}})
+    from siphon_dagster.stream_groups import served_tables
+
+    group = stream_groups(config, table_specs(config))[0]
+    run = dg.DagsterRun(job_name=group.job_name, tags=group.tags)
+    assert served_tables(run) == ("clickhouse", "default", {"public.a,b", "public.a"})
+    # A run tagged by an earlier version (names joined with commas) is still read.
+    legacy = dg.DagsterRun(job_name=group.job_name, tags={**group.tags, "siphon/stream-tables": "public.x,public.y"})
+    assert served_tables(legacy) == ("clickhouse", "default", {"public.x", "public.y"})
+
+
+def test_a_streaming_run_behind_a_page_of_newer_queued_runs_is_still_found(monkeypatch):
+    """A backfill queues a run per partition: the streaming run started before them is found all the
+    same, and a second run of its tables refuses to start beside it."""
+    import time
+
+    import dagster as dg
+    from dagster._core.test_utils import create_run_for_test
+
+    from siphon_dagster import run_liveness
+    from siphon_dagster.stream_groups import live_streaming_runs, runs_applying
+
+    monkeypatch.setattr(run_liveness, "RUN_RECORDS_PAGE", 3)
+    config = with_groups({})
+    specs = table_specs(config)
+    group = next(g for g in stream_groups(config, specs) if g.target == "clickhouse")
+    application = specs[0].tags["siphon/application"]
+    with instance_for_test() as instance:
+        streaming = create_run_for_test(instance, job_name=group.job_name, status=dg.DagsterRunStatus.STARTED,
+                                        tags=group.tags)
+        for _ in range(8):  # snapshot runs of the same application made after it, not started yet
+            create_run_for_test(instance, job_name="__ASSET_JOB", status=dg.DagsterRunStatus.NOT_STARTED,
+                                tags=specs[0].tags)
+        found = [run.run_id for run, _ in live_streaming_runs(instance, application, time.time())]
+        assert found == [streaming.run_id]
+        applying = runs_applying(instance, application, "clickhouse", ["public.notes", "public.other"], time.time())
+        assert [(run.run_id, tables) for run, tables in applying] == [(streaming.run_id, ["public.notes"])]
+        assert runs_applying(instance, application, "snowflake", ["public.notes"], time.time()) == []
+        assert runs_applying(instance, application, "clickhouse", ["public.notes"], time.time(),
+                             exclude_run_id=streaming.run_id) == []
+
+
+def test_a_table_s_backoff_doubles_while_it_keeps_failing_and_starts_over_once_it_streamed():
+    from siphon_dagster.streaming.group_run import FailureStreaks
+
+    streaks = FailureStreaks(15.0, 600.0)
+    assert [streaks.failed("public.bad") for _ in range(7)] == [15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 600.0]
+    assert streaks.count("public.bad") == 7 and streaks.failed("public.other") == 15.0
+    streaks.applied("public.bad")  # it streamed again
+    assert streaks.count("public.bad") == 0 and streaks.failed("public.bad") == 15.0
+    assert streaks.failed("public.other") == 30.0  # another table's streak is its own
