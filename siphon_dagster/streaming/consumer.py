@@ -25,6 +25,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo, DeliverPolicy
@@ -435,9 +436,14 @@ class StreamConsumer:
                     continue
                 try:
                     await message.in_progress()
-                except Exception as error:  # a closed connection: the run is ending anyway
-                    _log.debug("could not mark a message in progress", error=str(error))
-                    return
+                except nats.errors.ConnectionClosedError:
+                    return  # the run is ending
+                except Exception as error:
+                    # A reconnecting client (a full outbound buffer): the next round marks again,
+                    # before the ack wait ends, or the message is delivered again and applied twice.
+                    _log.warning("could not mark a message in progress; marking again in the next round",
+                                 table=self.table.name, error=str(error))
+                    break
 
     async def _assemble(self, messages: Sequence[Msg], pulled_at: float, after: _Batch | None = None) -> _Batch:
         """Whole packages out of the messages (slices wait for their last slice), and their Spark

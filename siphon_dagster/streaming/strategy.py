@@ -4,7 +4,9 @@
   the next run replays the same messages.
 - retry: retry the batch with exponential backoff (tenacity), then stop as above.
 - dead_letter: find the packages that fail alone (the batch is retried one package at a time),
-  publish each raw message to the table's dead-letter subject, ack it, record it, go on.
+  publish each raw message to the table's dead-letter subject, ack it, record it, go on. A package
+  fails alone only while the target answers: when it does not, the table stops as under stop,
+  since a target that is down would otherwise move every package aside.
 A schema change the target cannot follow always stops: skipping it would lose every later row.
 """
 
@@ -121,10 +123,23 @@ class ErrorStrategy:
             except SchemaChangeError:
                 raise
             except Exception as error:
+                unanswered = await asyncio.to_thread(self._unanswered)
+                if unanswered is not None:
+                    raise self._stop_error(
+                        packages, error, f" (the target does not answer: {unanswered}; nothing is moved to the "
+                        "dead-letter subject while it is down)") from error
                 for sequence in package.sequences:
                     await self._dead_letter(messages[sequence], sequence, error)
                 rejected += package.sequences
         return _combine(applied), rejected
+
+    def _unanswered(self) -> str | None:
+        """Why the target does not answer a trivial statement; None when it does."""
+        try:
+            self.applier.target.ping()
+        except Exception as error:
+            return f"{type(error).__name__}: {_one_line(error)}"[:500]
+        return None
 
     async def _dead_letter(self, message: Msg, sequence: int, error: Exception) -> None:
         headers = {

@@ -257,4 +257,8 @@ class Target(Protocol):
     def drop_shadow(self, table: TableSchema) -> None:
         """Abandons a resync: drops the shadow table if there is one."""
 
+    def ping(self) -> None:
+        """Raises when the target does not answer a trivial statement (down, unreachable, refusing
+        the login): a batch that fails then is no bad batch."""
+
     def close(self) -> None: ...

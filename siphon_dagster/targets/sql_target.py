@@ -158,6 +158,9 @@ class SqlTarget(ABC):
             self._connection = self._open()
         return self._connection
 
+    def ping(self) -> None:
+        self._query("SELECT 1", None)
+
     def close(self) -> None:
         if self._connection is not None:
             self._connection.close()

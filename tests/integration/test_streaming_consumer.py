@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import nats
+import nats.errors
 import psycopg
 import pyarrow as pa
 import pytest
@@ -98,7 +100,10 @@ def dead_letters(nats_url: str, application: str) -> list[tuple[int, str]]:
             js = client.jetstream()
             subscription = await js.pull_subscribe(naming.dead_letter_subject(application, "public", "notes"),
                                                    stream=naming.stream_name(application))
-            messages = await subscription.fetch(10, timeout=2)
+            try:
+                messages = await subscription.fetch(10, timeout=2)
+            except nats.errors.TimeoutError:
+                return []
             return [(int(m.headers["Siphon-Stream-Sequence"]), m.headers["Siphon-Error"]) for m in messages]
         finally:
             await client.close()
@@ -239,6 +244,31 @@ def test_dead_letter_moves_bad_messages_aside_and_goes_on(request: pytest.Fixtur
     assert sorted(letters) == [sequences[1], sequences[2]]
     assert "not a zstd-compressed package" in letters[sequences[1]]
     assert reports[-1].pending == 0
+    target.close()
+
+
+def test_dead_letter_moves_nothing_aside_while_the_target_is_down(request: pytest.FixtureRequest, nats_url: str,
+                                                                  spark: SparkSession, unique_name: str) -> None:
+    """A ClickHouse no one listens for: every package fails alone, and none of them is bad. The table
+    stops with its messages unacknowledged, and a run against the target applies them all."""
+    publish(nats_url, unique_name, [package([insert(0x100, "1", "a", "1")]), package([insert(0x101, "2", "b", "2")])])
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    config = parse_config({"application_identifier": unique_name, "source": {"dsn": "postgresql://x@127.0.0.1/x"},
+                           "tables": [{"name": "public.notes"}],
+                           "targets": {"clickhouse": {"url": f"http://127.0.0.1:{closed_port}", "database": unique_name}}})
+    down = build_target("clickhouse", config)
+    with pytest.raises(StreamApplyError, match="the target does not answer"):
+        consumer(nats_url, unique_name, down, spark, on_error="dead_letter").run(stop_when_drained=True)
+    down.close()
+    assert dead_letters(nats_url, unique_name) == []
+    target = make_target(request, "clickhouse", unique_name)
+    reports: list[BatchReport] = []
+    consumer(nats_url, unique_name, target, spark, on_error="dead_letter").run(stop_when_drained=True,
+                                                                             on_batch=reports.append)
+    assert target.current_rows_as_text(notes_schema()) == [("1", "a", "1"), ("2", "b", "2")]
+    assert [s for r in reports for s in r.dead_lettered] == []
     target.close()
 
 

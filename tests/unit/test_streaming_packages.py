@@ -99,6 +99,7 @@ class MemoryTarget:
     truncations: list[int] = field(default_factory=list)
     incompatible: list[str] = field(default_factory=list)
     fail_apply: int = 0  # the next N apply_rows calls raise
+    down: bool = False  # ping raises, as a target that does not answer
     applied_batches: int = 0
     superseded_rows_allowed: bool = False  # apply_rows keeps each key's greatest version either way
 
@@ -111,6 +112,10 @@ class MemoryTarget:
             row.update({name: (backfill or {}).get(name) for name in added})
         return SchemaChange(created=len(self.schemas) == 1, added_columns=added,
                             incompatible=list(self.incompatible))
+
+    def ping(self) -> None:
+        if self.down:
+            raise ConnectionRefusedError("target unavailable")
 
     def apply_rows(self, table: TableSchema, rows: pa.Table) -> int:
         if self.fail_apply:

@@ -74,3 +74,15 @@ def test_a_schema_the_target_cannot_follow_always_stops(mode: str) -> None:
     with pytest.raises(IncompatibleSchemaError):
         run(mode, applier)
     assert applier.calls == 1
+
+
+def test_dead_letter_moves_nothing_aside_while_the_target_does_not_answer() -> None:
+    """Every package of a batch fails alone while the target is down: that is no bad package, so the
+    table stops with the batch unacknowledged instead of moving it to the dead-letter subject (the
+    strategy has no queue here: a dead letter would fail on it)."""
+    applier = FlakyApplier(failures=9, error=ConnectionRefusedError("connection refused"))
+    applier.target.down = True
+    with pytest.raises(StreamApplyError, match=r"sequences 40-41 .*the target does not answer: "
+                                               r"ConnectionRefusedError: target unavailable; nothing is moved"):
+        run("dead_letter", applier)
+    assert applier.calls == 2  # the batch, then its first package alone
