@@ -12,6 +12,7 @@ from functools import cache, partial
 
 import dagster as dg
 
+from siphon_core import naming
 from siphon_core.config import CONFIG_VARIABLE, SiphonConfig, load_config_from_environment
 from siphon_dagster.assets import build_first_loads_asset, build_source_asset, build_target_asset
 from siphon_dagster.checks.definitions import build_asset_checks, build_checks_job, build_checks_schedule
@@ -39,7 +40,9 @@ from siphon_dagster.stream_groups import stream_groups
 def build_resources(config: SiphonConfig) -> dict[str, object]:
     """Every resource from its section of the configuration, secrets as `${VAR}` references."""
     resources: dict[str, object] = {
-        "source": PostgresResource(settings=config.settings("source")),
+        "source": PostgresResource(settings=config.settings("source"),
+                                   publication=config.producer.publication_name
+                                   or naming.publication_name(config.application_identifier)),
         "queue": NatsResource(settings=config.settings("queue"), application_identifier=config.application_identifier),
         "spark": SparkResource(settings=config.settings("spark")),
     }

@@ -34,6 +34,9 @@ class PostgresResource(dg.ConfigurableResource):
     ranges are read."""
 
     settings: dict[str, Any]
+    # The producer's publication: a range is read only once its table is in it (see
+    # snapshot.load.check_published). Empty: not checked.
+    publication: str = ""
 
     @property
     def config(self) -> SourceConfig:
@@ -67,7 +70,8 @@ class PostgresResource(dg.ConfigurableResource):
         return SnapshotSettings(dsn=self.snapshot_source_dsn, spool_directory=self.snapshot_spool_directory,
                                 spool_max_bytes=self.snapshot_spool_max_bytes,
                                 wait_limit_seconds=self.snapshot_wait_limit_seconds,
-                                retry_seconds=self.config.snapshot_retry_seconds)
+                                retry_seconds=self.config.snapshot_retry_seconds,
+                                publication=self.publication or None)
 
 
 class NatsResource(dg.ConfigurableResource):

@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 import tenacity
+from psycopg import sql
 
 from siphon_core import naming
 from siphon_core.config import TableConfig
@@ -42,6 +43,8 @@ class SnapshotSettings:
     spool_max_bytes: int = MAX_AHEAD_BYTES
     wait_limit_seconds: float = 0.0
     retry_seconds: float = 120.0  # how long a range retries a lost connection (RetryPolicy.seconds)
+    # The producer's publication: a range of a table not in it is not read (check_published).
+    publication: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,8 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
             loading.append(progress)
         try:
             with source.connect(settings.dsn, autocommit=True) as catalog:
+                if settings.publication:
+                    check_published(catalog, settings.publication, table)
 
                 def locked_columns() -> TableSchema:
                     # The table is locked against DDL from here on: the columns read now, from the
@@ -210,6 +215,34 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
     summary.consistent_points.sort()
     summary.table = ensured[0]
     return summary
+
+
+class TableNotPublishedError(RuntimeError):
+    """The producer's publication exists and does not hold the table yet."""
+
+
+def check_published(connection: psycopg.Connection[Any], publication: str, table: TableConfig) -> None:
+    """Raises TableNotPublishedError when `publication` exists and holds neither the table nor one
+    of its partitions. A range's rows are those as of its slot's consistent point, and the stream
+    carries the table's changes only from the commit that added it to the publication: a range read
+    before that would leave the changes in between nowhere. No publication at all (no producer has
+    run yet) is not checked."""
+    exists, found, published = connection.execute(
+        sql.SQL("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = {publication}), "
+                "to_regclass({table}) IS NOT NULL, "
+                "EXISTS (SELECT 1 FROM pg_publication_tables t WHERE t.pubname = {publication} "
+                "AND format('%I.%I', t.schemaname, t.tablename)::regclass "
+                "IN (SELECT to_regclass({table}) UNION ALL SELECT relid FROM pg_partition_tree(to_regclass({table}))))").format(
+            publication=sql.Literal(publication),
+            table=sql.Literal(sql.Identifier(table.schema_name, table.table_name).as_string(connection)))).fetchone()
+    # A table that does not exist is reported by the range's read of its columns, in its own words.
+    if exists and found and not published:
+        raise TableNotPublishedError(
+            f"{table.name} is not in the publication {publication} yet, so no range of it was read: its changes "
+            "stream from the commit that adds it, and rows read before that would miss the changes in between. "
+            "The producer adds a table when it reads siphon.yaml (every producer.config_check_seconds, or on "
+            "SIGHUP); its log says why it has not (a table without a primary key or replica identity, a missing "
+            "privilege). Load the table again once the producer has added it")
 
 
 def _in_parallel(ranges: Sequence[BlockRange], workers: int, destination: Target,

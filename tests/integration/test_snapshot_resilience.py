@@ -21,6 +21,7 @@ from siphon_dagster.definitions import build_definitions
 from siphon_dagster.partitions import BlockRange
 from siphon_dagster.snapshot.load import (
     SnapshotSettings,
+    TableNotPublishedError,
     ensure_target_table,
     is_connection_failure,
     load_ranges,
@@ -225,3 +226,40 @@ def test_a_snapshot_waiting_for_an_open_transaction_names_it_then_fails_at_its_l
             assert "no slot was left behind" in message
         assert _no_snapshot_slots(app.dsn)
         blocker.rollback()
+
+
+def test_a_table_the_publication_does_not_hold_yet_is_not_read(request: pytest.FixtureRequest, app: Application,
+                                                                 tmp_path: Path) -> None:
+    """The producer's publication exists without the table (the producer has not added it yet): no
+    range is read, since the stream would miss its changes until then. Once it is added, the range
+    loads; a partitioned table published through its partitions counts as published."""
+    app.sql("create table {schema}.later (id integer primary key, body text)")
+    app.sql("insert into {schema}.later select g, md5(g::text) from generate_series(1, 500) g")
+    app.sql("create table {schema}.parted (id integer primary key, body text) partition by range (id)")
+    app.sql("create table {schema}.parted_low partition of {schema}.parted for values from (0) to (1000)")
+    app.sql("insert into {schema}.parted select g, md5(g::text) from generate_series(1, 50) g")
+    app.sql("create table {schema}.other (id integer primary key)")
+    app.sql(f"create publication {app.publication} for table {{schema}}.other")
+    config = load_config(_write_config(tmp_path, app, request, "later", "clickhouse"))
+    destination = build_target("clickhouse", config)
+    settings = SnapshotSettings(dsn=app.dsn, publication=app.publication)
+    later = TableConfig(name=app.qualified("later"))
+    try:
+        with pytest.raises(TableNotPublishedError, match=rf"{app.qualified('later')} is not in the publication "
+                                                         rf"{app.publication} yet, so no range of it was read"):
+            load_ranges(settings, later, [WHOLE_TABLE], destination, ensure=ensure_target_table(destination, "clickhouse"))
+        assert _no_snapshot_slots(app.dsn)
+        app.sql(f"alter publication {app.publication} add table {{schema}}.later, {{schema}}.parted_low")
+        summary = load_ranges(settings, later, [WHOLE_TABLE], destination,
+                              ensure=ensure_target_table(destination, "clickhouse"))
+        assert summary.progress.rows == 500 and destination.count_current(app.table_schema("later")) == 500
+        parted = TableConfig(name=app.qualified("parted"))
+        summary = load_ranges(settings, parted, [WHOLE_TABLE], destination,
+                              ensure=ensure_target_table(destination, "clickhouse"))
+        assert summary.progress.rows == 50
+        # Without a publication at all (no producer has run) nothing is checked.
+        app.sql(f"drop publication {app.publication}")
+        assert load_ranges(settings, later, [WHOLE_TABLE], destination,
+                           ensure=ensure_target_table(destination, "clickhouse")).progress.rows == 500
+    finally:
+        destination.close()
