@@ -17,6 +17,7 @@ from typing import Any
 
 import nats.errors
 import psycopg
+from psycopg import sql
 
 from producer_service import ownership
 from producer_service.changes import ChangeEncoder
@@ -39,6 +40,9 @@ from siphon_core.replication import ReplicationConnection, ReplicationError
 
 PRODUCER_VERSION = "0.1.0"
 HEARTBEAT_PREFIX = "siphon.heartbeat"
+# How long altering the publication for a table added or removed may wait for the table's lock
+# while streaming: the replication stream is not read meanwhile (status replies, acks).
+TABLE_CHANGE_LOCK_TIMEOUT_MS = 2000
 log = get_logger("producer")
 
 _GAUGE_SECONDS = 0.5
@@ -300,9 +304,20 @@ class ProducerService:
         at every check, its error logged once."""
         assert self._watcher is not None
         added = [t for t in change.config.tables if t.name in change.added]
+        for table in added:
+            # Read by the catalog at the table's first Relation message. Set before the publication
+            # is altered: a change that fails part-way leaves the tables added before the failure
+            # published, and their columns must be left out from their first change on.
+            self._excluded[(table.schema_name, table.table_name)] = set(table.exclude_columns)
         try:
             check_replica_identities(control, added)
-            publication = ensure_publication(control, self.publication, change.config.tables)
+            # Altering the publication waits for each table's lock (a long CREATE INDEX, a VACUUM),
+            # and the stream waits with it: past the timeout the change is tried at the next check.
+            control.execute(sql.SQL("set lock_timeout = {}").format(sql.Literal(f"{TABLE_CHANGE_LOCK_TIMEOUT_MS}ms")))
+            try:
+                publication = ensure_publication(control, self.publication, change.config.tables)
+            finally:
+                control.execute("reset lock_timeout")
         except (SourceSetupError, psycopg.Error) as error:
             message = " ".join(str(error).split())
             if message != self._table_change_error:
@@ -313,9 +328,6 @@ class ProducerService:
             self._watcher.retry_later()
             return
         self._table_change_error = None
-        for table in added:
-            # Read by the catalog at the table's first Relation message, which follows this commit.
-            self._excluded[(table.schema_name, table.table_name)] = set(table.exclude_columns)
         self._watcher.accept(change)
         self.config = change.config
         self.metrics.configured_tables.set(len(change.config.tables))

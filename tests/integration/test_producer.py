@@ -272,6 +272,27 @@ def test_sighup_reads_the_file_at_once(app: Application) -> None:
                                               (app.publication,)), 10, "SIGHUP to apply the change")
 
 
+def test_a_table_added_while_a_lock_is_held_on_it_waits_and_the_stream_goes_on(app: Application) -> None:
+    """Adding a table to the publication waits for a lock on it (a long CREATE INDEX, a migration):
+    the producer gives up after its lock timeout, streams on, and adds the table at a later check."""
+    app.sql("create table {schema}.first (id integer primary key)")
+    app.sql("create table {schema}.locked (id integer primary key)")
+    producer = app.producer(["first"], config_check_seconds=0.5)
+    with psycopg.connect(app.dsn) as holder:
+        holder.execute(sql.SQL("lock table {} in access exclusive mode").format(app.table("locked")))
+        producer.config["tables"].append({"name": app.qualified("locked")})
+        producer.write_config()
+        wait_until(lambda: "cannot be applied yet" in producer.log() and "lock timeout" in producer.log(), 30,
+                   "the change to wait for the lock")
+        app.sql("insert into {schema}.first values (1)")
+        app.wait_for_events(1, "first")  # the stream went on meanwhile
+        holder.rollback()
+    wait_until(lambda: ("locked",) in execute(app.dsn, "select tablename from pg_publication_tables where pubname = %s",
+                                              (app.publication,)), 30, "the table to be added once the lock is gone")
+    app.sql("insert into {schema}.locked values (7)")
+    app.wait_for_events(1, "locked")
+
+
 def test_a_file_that_no_longer_loads_changes_nothing(app: Application) -> None:
     app.sql("create table {schema}.first (id integer primary key)")
     producer = app.producer(["first"], config_check_seconds=0.3)
