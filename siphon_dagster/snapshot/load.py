@@ -24,7 +24,7 @@ from siphon_core.replication import ReplicationError
 from siphon_dagster import source
 from siphon_dagster.partitions import BlockRange
 from siphon_dagster.snapshot.blockers import SnapshotWaitLimitError, WaitReport
-from siphon_dagster.snapshot.reader import SnapshotProgress
+from siphon_dagster.snapshot.reader import SnapshotProgress, TableRewrittenError
 from siphon_dagster.snapshot.spool import MAX_AHEAD_BYTES, spooled_range
 from siphon_dagster.targets.base import TableSchema, Target
 
@@ -32,6 +32,7 @@ log = get_logger("snapshot")
 
 RETRY_ATTEMPTS = 5
 RETRY_SECONDS = 120.0
+REREAD_ROUNDS = 3  # rounds of ranges read again after the table was rewritten while it loaded
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
     ensuring = threading.Lock()  # one worker at a time compares the columns and changes the target
     counting = threading.Lock()
     loading: list[SnapshotProgress] = []  # the ranges being read now
+    # Each range's consistent point and the table's storage it was read from (reader.table_layout).
+    layouts: dict[BlockRange, tuple[int, tuple[tuple[int, int], ...]]] = {}
 
     def report(_: SnapshotProgress) -> None:
         if on_progress is None:
@@ -184,6 +187,7 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
                 summary.progress.rows += progress.rows
                 summary.progress.bytes += progress.bytes
                 summary.consistent_points.append(reading.consistent_point)
+                layouts[block_range] = (reading.consistent_point, reading.layout)
         finally:
             with counting:
                 loading.remove(progress)
@@ -193,12 +197,14 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
             with counting:
                 summary.retries += 1
             error = state.outcome.exception() if state.outcome else None
-            on_warning(f"{table.name}: a range lost its connection ({error}); nothing of it was applied, reading it "
+            what = "its table was rewritten" if isinstance(error, TableRewrittenError) else "a range lost its connection"
+            on_warning(f"{table.name}: {what} ({error}); nothing of it was applied, reading it "
                        f"again in {state.upcoming_sleep:.0f}s (attempt {state.attempt_number + 1} of {retry.attempts})")
             target.close()  # the next attempt opens a fresh connection
 
         tenacity.Retrying(
-            retry=tenacity.retry_if_exception(is_connection_failure),
+            retry=tenacity.retry_if_exception(lambda error: is_connection_failure(error)
+                                              or isinstance(error, TableRewrittenError)),
             stop=tenacity.stop_after_attempt(retry.attempts) | tenacity.stop_after_delay(retry.seconds),
             wait=tenacity.wait_exponential(multiplier=retry.first_wait_seconds, min=retry.first_wait_seconds,
                                            max=retry.max_wait_seconds),
@@ -212,6 +218,21 @@ def load_ranges(settings: SnapshotSettings, table: TableConfig, ranges: Sequence
             load_with_retries(block_range, destination)
     else:
         _in_parallel(ranges, workers, destination, open_destination, load_with_retries)
+    # A rewrite between two ranges (VACUUM FULL, CLUSTER) moves rows to other blocks, and the stream
+    # carries no change for them: a row moved from a range read after it into one read before it
+    # was in neither read. The ranges read from an earlier storage are read again.
+    for round_number in range(REREAD_ROUNDS + 1):
+        latest = max(layouts.values())[1] if layouts else ()
+        stale = [block_range for block_range in ranges if layouts[block_range][1] != latest]
+        if not stale:
+            break
+        if round_number == REREAD_ROUNDS:
+            raise TableRewrittenError(f"{table.name} was rewritten again each time its ranges were read again "
+                                      f"({REREAD_ROUNDS} rounds); load its partitions once the rewrites have ended")
+        on_warning(f"{table.name} was rewritten while it loaded (VACUUM FULL, CLUSTER or a rewriting ALTER TABLE): "
+                   f"its rows may have moved between ranges; reading {len(stale)} range(s) read before it again")
+        for block_range in stale:
+            load_with_retries(block_range, destination)
     summary.consistent_points.sort()
     summary.table = ensured[0]
     return summary

@@ -140,9 +140,33 @@ def snapshot_transaction(dsn: str, snapshot_name: str, schema: str, table: str) 
         connection.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         connection.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
         connection.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(sql.Identifier(schema, table)))
+        table_layout(connection, schema, table)
         yield connection
         if not connection.closed:
             connection.rollback()
+
+
+class TableRewrittenError(RuntimeError):
+    """The table's storage was rewritten between the snapshot and its lock: read now, under the
+    snapshot, it would look empty (a rewriting ALTER TABLE, TRUNCATE) or hold its rows at other
+    block positions (VACUUM FULL, CLUSTER). Another snapshot, taken after the rewrite, reads it right."""
+
+
+def table_layout(connection: psycopg.Connection[Any], schema: str, table: str) -> tuple[tuple[int, int], ...]:
+    """The storage the table (and each partition of it) has as of the transaction's snapshot:
+    (relation, file node) pairs. Called with the table locked; raises TableRewrittenError when the
+    storage is no longer that (`pg_relation_filenode` reads the current catalog, not the snapshot)."""
+    qualified = sql.Literal(sql.Identifier(schema, table).as_string(connection))
+    rows = connection.execute(sql.SQL(
+        "SELECT c.oid::bigint, c.relfilenode::bigint, pg_relation_filenode(c.oid)::bigint FROM pg_class c "
+        "WHERE c.oid IN (SELECT {table}::regclass UNION SELECT relid FROM pg_partition_tree({table}::regclass)) "
+        "AND c.relfilenode <> 0 ORDER BY c.oid").format(table=qualified)).fetchall()
+    moved = [oid for oid, as_of_snapshot, now in rows if now is not None and now != as_of_snapshot]
+    if moved:
+        raise TableRewrittenError(
+            f"{schema}.{table} was rewritten (ALTER TABLE, TRUNCATE, VACUUM FULL or CLUSTER) after this range's "
+            "snapshot was taken; nothing of the range was read, and it is read again under a new snapshot")
+    return tuple((oid, as_of_snapshot) for oid, as_of_snapshot, _ in rows)
 
 
 def read_range(dsn: str, snapshot_name: str, table: TableSchema, block_range: BlockRange,

@@ -34,6 +34,7 @@ from siphon_dagster.snapshot.reader import (
     exported_snapshot,
     read_locked_range,
     snapshot_transaction,
+    table_layout,
 )
 from siphon_dagster.targets.base import TableSchema
 
@@ -146,6 +147,7 @@ class SpooledRange:
     progress: SnapshotProgress
     _spool: _Spool
     _released: threading.Event
+    layout: tuple[tuple[int, int], ...] = ()  # the table's storage the range was read from (table_layout)
 
     def chunks(self, on_progress: Callable[[SnapshotProgress], None] | None = None) -> Iterator[bytes]:
         last_report = time.monotonic()
@@ -183,12 +185,13 @@ def spooled_range(dsn: str, schema: str, table: str, block_range: BlockRange,
                                                       wait_limit_seconds=wait_limit_seconds,
                                                       on_blocked=on_blocked))
         reading = source.enter_context(snapshot_transaction(dsn, slot.snapshot_name, schema, table))
+        layout = table_layout(reading, schema, table)
         read_columns = columns()
         spool = _Spool(directory, max_ahead_bytes)
         reader = threading.Thread(target=_read_into, name=f"snapshot reader {schema}.{table}", daemon=True,
                                   args=(reading, read_columns, block_range, progress, spool, source, released))
         reader.start()
-        yield SpooledRange(read_columns, slot.consistent_point, progress, spool, released)
+        yield SpooledRange(read_columns, slot.consistent_point, progress, spool, released, layout)
     finally:
         if spool is not None:
             spool.stop()

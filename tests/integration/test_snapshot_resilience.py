@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from siphon_core.config import TableConfig, load_config, parse_config
+from siphon_dagster import source
 from siphon_dagster.definitions import build_definitions
 from siphon_dagster.partitions import BlockRange
 from siphon_dagster.snapshot.load import (
@@ -25,6 +26,12 @@ from siphon_dagster.snapshot.load import (
     ensure_target_table,
     is_connection_failure,
     load_ranges,
+)
+from siphon_dagster.snapshot.reader import (
+    SnapshotProgress,
+    TableRewrittenError,
+    exported_snapshot,
+    read_range,
 )
 from siphon_dagster.specs import table_specs
 from siphon_dagster.targets import build_target
@@ -261,5 +268,60 @@ def test_a_table_the_publication_does_not_hold_yet_is_not_read(request: pytest.F
         app.sql(f"drop publication {app.publication}")
         assert load_ranges(settings, later, [WHOLE_TABLE], destination,
                            ensure=ensure_target_table(destination, "clickhouse")).progress.rows == 500
+    finally:
+        destination.close()
+
+
+@pytest.mark.parametrize("rewrite", ["alter table {schema}.moved alter column body type varchar(200)",
+                                     "vacuum full {schema}.moved"])
+def test_a_table_rewritten_between_the_snapshot_and_its_lock_is_not_read_under_that_snapshot(
+        app: Application, rewrite: str) -> None:
+    """A rewriting ALTER TABLE makes a table look empty to an older snapshot, and VACUUM FULL moves its
+    rows to other blocks: a range read then would load nothing, or other rows than its blocks held."""
+    app.sql("create table {schema}.moved (id integer primary key, body text)")
+    app.sql("insert into {schema}.moved select g, md5(g::text) from generate_series(1, 2000) g")
+    with source.connect(app.dsn) as connection:
+        table = source.table_schema(connection, TableConfig(name=app.qualified("moved")))
+    with exported_snapshot(app.dsn) as slot:
+        app.sql(rewrite)
+        with pytest.raises(TableRewrittenError, match=rf"{app.qualified('moved')} was rewritten"):
+            b"".join(read_range(app.dsn, slot.snapshot_name or "", table, WHOLE_TABLE, SnapshotProgress()))
+    with exported_snapshot(app.dsn) as slot:  # a snapshot after the rewrite reads every row
+        text = b"".join(read_range(app.dsn, slot.snapshot_name or "", table, WHOLE_TABLE, SnapshotProgress()))
+    assert text.count(b"\n") == 2000
+
+
+def test_ranges_read_before_the_table_was_rewritten_are_read_again(
+        request: pytest.FixtureRequest, app: Application, tmp_path: Path) -> None:
+    """VACUUM FULL between two ranges packs the rows of the second range's blocks into the first's:
+    without a second read of the first range those rows would be in neither read."""
+    app.sql("create table {schema}.packed (id integer primary key, body text)")
+    app.sql("insert into {schema}.packed select g, repeat(md5(g::text), 4) from generate_series(1, 4000) g")
+    app.sql("delete from {schema}.packed where id % 4 <> 0")  # three quarters of every block freed
+    blocks = app.sql("select pg_relation_size('{schema}.packed') / current_setting('block_size')::int")[0][0]
+    half = blocks // 2
+    ranges = [BlockRange(0, half - 1), BlockRange(half, (1 << 20) - 1)]
+    config = load_config(_write_config(tmp_path, app, request, "packed", "clickhouse"))
+    destination = build_target("clickhouse", config)
+    warnings: list[str] = []
+    started: list[threading.Thread] = []
+
+    def vacuum_once(message: str) -> None:
+        # Started while the first range holds its lock: VACUUM FULL waits for it, and the second
+        # range's slot waits for VACUUM FULL, so the rewrite comes between the two ranges.
+        if not started:
+            started.append(threading.Thread(target=app.sql, args=("vacuum full {schema}.packed",), daemon=True))
+            started[0].start()
+
+    try:
+        summary = load_ranges(SnapshotSettings(dsn=app.dsn), TableConfig(name=app.qualified("packed")), ranges,
+                              destination, ensure=ensure_target_table(destination, "clickhouse"),
+                              on_info=vacuum_once, on_warning=warnings.append)
+        started[0].join(60)
+        assert any("was rewritten while it loaded" in w and "reading 1 range(s)" in w for w in warnings), warnings
+        assert len(summary.consistent_points) == 3  # the first range read twice
+        schema = app.table_schema("packed")
+        assert destination.count_current(schema) == 1000
+        assert destination.current_rows_as_text(schema) == app.rows_as_text(schema)
     finally:
         destination.close()
