@@ -34,28 +34,34 @@ where n.nspname = %s and c.relname = %s and c.relkind in ('r', 'p')
 
 def check_replica_identities(connection: psycopg.Connection[Any], tables: list[TableConfig]) -> None:
     """Every table must exist, have a primary key and identify its rows in UPDATE and DELETE changes."""
-    problems = []
+    problems = replica_identity_problems(connection, tables)
+    if problems:
+        raise SourceSetupError("\n".join(problems.values()))
+
+
+def replica_identity_problems(connection: psycopg.Connection[Any], tables: list[TableConfig]) -> dict[str, str]:
+    """Table name -> why it cannot be replicated (`check_replica_identities`), for the tables that cannot."""
+    problems: dict[str, str] = {}
     for table in tables:
         row = connection.execute(_IDENTITY_QUERY, (table.schema_name, table.table_name)).fetchone()
         name = sql.Identifier(table.schema_name, table.table_name).as_string(connection)
         if row is None:
-            problems.append(f"table {table.name}: does not exist (or is not a table) in the source database")
+            problems[table.name] = f"table {table.name}: does not exist (or is not a table) in the source database"
             continue
         identity, has_primary_key, has_identity_index = row
         if not has_primary_key:
             # REPLICA IDENTITY FULL would let PostgreSQL send such a table's changes, but a target keeps
             # one row per key: identical rows would collapse and a NULL cannot be part of a key.
-            problems.append(
+            problems[table.name] = (
                 f"table {table.name}: has no primary key; Siphon keeps one row per primary key at its targets, "
                 f"so a table without one cannot be replicated: add one (ALTER TABLE {name} ADD PRIMARY KEY (...))"
             )
         elif identity == "n" or (identity == "i" and not has_identity_index):
-            problems.append(
+            problems[table.name] = (
                 f"table {table.name}: has no usable replica identity, so its updates and deletes cannot be "
                 f"replicated; run `ALTER TABLE {name} REPLICA IDENTITY DEFAULT` (the primary key)"
             )
-    if problems:
-        raise SourceSetupError("\n".join(problems))
+    return problems
 
 
 def published_tables(connection: psycopg.Connection[Any], publication: str) -> set[str] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from typing import Any
@@ -27,7 +28,12 @@ from producer_service.metrics import MetricsServer, ProducerMetrics
 from producer_service.packaging import OutgoingPackage, PackageLimits, Packager
 from producer_service.pgoutput import messages as m
 from producer_service.progress import ProgressTracker
-from producer_service.publication import SourceSetupError, check_replica_identities, ensure_publication
+from producer_service.publication import (
+    SourceSetupError,
+    check_replica_identities,
+    ensure_publication,
+    replica_identity_problems,
+)
 from producer_service.publisher import Publisher
 from producer_service.relations import RelationCatalog, RelationInfo
 from producer_service.slot_loss import SlotGuard
@@ -300,8 +306,10 @@ class ProducerService:
             self._apply_table_change(control, change)
 
     def _apply_table_change(self, control: psycopg.Connection[Any], change: TableListChange) -> None:
-        """The publication follows the new table list; a change that cannot be applied is retried
-        at every check, its error logged once."""
+        """The publication follows the new table list. An added table that cannot be replicated yet
+        (missing, no primary key) is left out while the others are applied; it, or a change that
+        cannot be applied at all (a privilege, a lock held too long), is tried again at every
+        check, its error logged once."""
         assert self._watcher is not None
         added = [t for t in change.config.tables if t.name in change.added]
         for table in added:
@@ -310,33 +318,42 @@ class ProducerService:
             # published, and their columns must be left out from their first change on.
             self._excluded[(table.schema_name, table.table_name)] = set(table.exclude_columns)
         try:
-            check_replica_identities(control, added)
+            waiting = replica_identity_problems(control, added)
+            applied = change.config.model_copy(
+                update={"tables": [t for t in change.config.tables if t.name not in waiting]})
             # Altering the publication waits for each table's lock (a long CREATE INDEX, a VACUUM),
             # and the stream waits with it: past the timeout the change is tried at the next check.
             control.execute(sql.SQL("set lock_timeout = {}").format(sql.Literal(f"{TABLE_CHANGE_LOCK_TIMEOUT_MS}ms")))
             try:
-                publication = ensure_publication(control, self.publication, change.config.tables)
+                publication = ensure_publication(control, self.publication, applied.tables)
             finally:
                 control.execute("reset lock_timeout")
         except (SourceSetupError, psycopg.Error) as error:
-            message = " ".join(str(error).split())
-            if message != self._table_change_error:
-                log.error("siphon.yaml changed its tables, but the change cannot be applied yet; streaming goes "
-                          "on with the tables before it", added=",".join(change.added),
-                          removed=",".join(change.removed), error=message)
-                self._table_change_error = message
+            self._refused(" ".join(str(error).split()), change.added, change.removed)
             self._watcher.retry_later()
             return
-        self._table_change_error = None
-        self._watcher.accept(change)
-        self.config = change.config
-        self.metrics.configured_tables.set(len(change.config.tables))
+        self._watcher.accept(dataclasses.replace(change, config=applied))
+        self.config = applied
+        self.metrics.configured_tables.set(len(applied.tables))
+        if waiting:
+            # The file is read again at the next check: the tables left out are added once they can be.
+            self._refused(" ".join("\n".join(waiting.values()).split()), sorted(waiting), [])
+            self._watcher.retry_later()
+        else:
+            self._table_change_error = None
         for name in publication.added:
             log.warning("table added to the publication: its changes stream from now on; its earlier rows are "
                         "its snapshot's (reload the Dagster code location: with snapshots.auto_load it loads the "
                         "table by itself)", table=name, publication=self.publication)
         for name in publication.dropped:
             log.info("table dropped from the publication", table=name, publication=self.publication)
+
+    def _refused(self, message: str, added: list[str], removed: list[str]) -> None:
+        """Logs a table change that cannot be applied yet, once per distinct error."""
+        if message != self._table_change_error:
+            log.error("siphon.yaml changed its tables, but the change cannot be applied yet; streaming goes "
+                      "on without it", added=",".join(added), removed=",".join(removed), error=message)
+            self._table_change_error = message
 
     # -- publishing -----------------------------------------------------------------------------
 
