@@ -9,6 +9,7 @@ a temporary slot never outlives its backend) so the run fails with that report i
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -117,9 +118,10 @@ class _Watch:
     def _run(self) -> None:
         last_pids: tuple[int, ...] | None = None
         last_reported = 0.0
-        try:
-            while not self.done.wait(self.check_seconds):
-                waited = time.monotonic() - self.started
+        failed: str | None = None
+        while not self.done.wait(self.check_seconds):
+            waited = time.monotonic() - self.started
+            try:
                 if self._connection is None:  # only a wait that lasts costs a connection
                     self._connection = connect(self.dsn, autocommit=True, application_name="siphon snapshot watch")
                 report = WaitReport(self.table, waited, blocking_backends(self._connection, self.slot_pid, waited),
@@ -133,11 +135,22 @@ class _Watch:
                     self.on_report(report)
                     last_pids, last_reported = pids, time.monotonic()
                 if over:
-                    self.exceeded = report
                     self._connection.execute("select pg_terminate_backend(%s)", (self.slot_pid,))
+                    self.exceeded = report
                     return
-        except Exception as error:  # the watch only informs; the snapshot itself goes on
-            log.warning("watching a snapshot's wait for its slot failed: %s", error)
+            except Exception as error:
+                # Tried again at the next check (a full server refuses a connection for a while):
+                # a watch that gave up would let the wait outlast its limit.
+                if str(error) != failed:
+                    log.warning("watching a snapshot's wait for its slot failed; trying again", error=str(error))
+                    failed = str(error)
+                self._drop_connection()
+
+    def _drop_connection(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                self._connection.close()
+            self._connection = None
 
     def wait_for_slot_gone(self, slot_name: str) -> None:
         """A terminated backend drops its temporary slot as it exits; wait until it has."""

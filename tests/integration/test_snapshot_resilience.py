@@ -15,11 +15,13 @@ import dagster as dg
 import psycopg
 import pytest
 import yaml
+from psycopg import sql
 
 from siphon_core.config import TableConfig, load_config, parse_config
 from siphon_dagster import source
 from siphon_dagster.definitions import build_definitions
 from siphon_dagster.partitions import BlockRange
+from siphon_dagster.snapshot.blockers import SnapshotWaitLimitError
 from siphon_dagster.snapshot.load import (
     SnapshotSettings,
     TableNotPublishedError,
@@ -325,3 +327,32 @@ def test_ranges_read_before_the_table_was_rewritten_are_read_again(
         assert destination.current_rows_as_text(schema) == app.rows_as_text(schema)
     finally:
         destination.close()
+
+
+def test_a_wait_watch_that_cannot_connect_for_a_while_still_ends_the_wait_at_its_limit(
+        app: Application, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch's own connection is refused twice (a source at max_connections): it tries again at
+    its next checks, and the slot's wait still ends at its limit with the report."""
+    from siphon_dagster.snapshot import blockers
+
+    app.sql("create table {schema}.held (id integer primary key)")
+    refused: list[int] = []
+
+    def refusing_twice(dsn: str, **options: object) -> psycopg.Connection:
+        if len(refused) < 2:
+            refused.append(1)
+            raise psycopg.OperationalError("sorry, too many clients already")
+        return blockers_connect(dsn, **options)
+
+    blockers_connect = blockers.connect
+    monkeypatch.setattr(blockers, "connect", refusing_twice)
+    with psycopg.connect(app.dsn) as blocker:
+        blocker.execute(sql.SQL("insert into {} values (1)").format(sql.Identifier(app.schema, "held")))
+        started = time.monotonic()
+        with pytest.raises(SnapshotWaitLimitError, match=rf"pid {blocker.info.backend_pid}"), \
+                exported_snapshot(app.dsn, table=app.qualified("held"), wait_limit_seconds=2.5, check_seconds=0.5,
+                                  on_blocked=lambda report: None):
+            pass
+        assert len(refused) == 2 and time.monotonic() - started < 20
+        blocker.rollback()
+    assert _no_snapshot_slots(app.dsn)
