@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from siphon_core.naming import target_object_names
+
 APPLICATION_IDENTIFIER = re.compile(r"[A-Za-z0-9_.-]+")
 SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -585,6 +587,7 @@ class SiphonConfig(_Model):
                 raise ValueError(f"tables: '{table.name}' names target(s) {missing}, which are not configured under "
                                  "targets:")
         self._check_groups(seen)
+        self._check_target_names()
         consumers = sum(len(table.targets or self.targets.configured()) for table in self.tables)
         if consumers > self.queue.max_consumers:
             raise ValueError(f"queue.max_consumers: {self.queue.max_consumers} is below the {consumers} consumers the "
@@ -611,6 +614,19 @@ class SiphonConfig(_Model):
                 if isinstance(value, str) and _ENV_REFERENCE.search(value) and key in values:
                     values[key] = value
         return values
+
+    def _check_target_names(self) -> None:
+        """No two tables replicated to one target may name the same object there."""
+        owners: dict[tuple[str, str], tuple[str, str]] = {}
+        for table in self.tables:
+            for target in table.targets or self.targets.configured():
+                for what, name in target_object_names(table.schema_name, table.table_name).items():
+                    owner = owners.setdefault((target, name), (table.name, what))
+                    if owner[0] != table.name:
+                        raise ValueError(
+                            f"tables: '{table.name}' and '{owner[0]}' would both use {name} at target {target} "
+                            f"(the {what} of '{table.name}', the {owner[1]} of '{owner[0]}'); one target cannot hold "
+                            "both tables: replicate one of them, or send them to different targets")
 
     def _check_groups(self, configured: set[str]) -> None:
         """Every table of a streaming group is configured, and in one group only."""

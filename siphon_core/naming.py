@@ -112,6 +112,18 @@ def current_view_name(schema: str, table: str) -> str:
     return f"{target_table_name(schema, table)}_current"
 
 
+SHADOW_SUFFIX = "__resync"  # the table a resync fills before it replaces the live one
+TRUNCATIONS_SUFFIX = "__truncations"  # the versions of the source's TRUNCATEs
+
+
+def target_object_names(schema: str, table: str) -> dict[str, str]:
+    """Every object a replicated table has in a target, by what it is: two tables must never share
+    one (`public.orders__resync` would otherwise be the resync table of `public.orders`)."""
+    live = target_table_name(schema, table)
+    return {"table": live, "resync table": f"{live}{SHADOW_SUFFIX}",
+            "truncations table": f"{live}{TRUNCATIONS_SUFFIX}", "current view": current_view_name(schema, table)}
+
+
 def consumer_name(target: str, schema: str, table: str) -> str:
     """Durable consumer names allow only [A-Za-z0-9_-]; a digest keeps distinct tables distinct."""
     readable = _NON_WORD.sub("_", f"{target}_{schema}__{table}")[:48]

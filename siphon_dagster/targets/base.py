@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import pyarrow as pa
 
-from siphon_core.naming import target_table_name
+from siphon_core.naming import SHADOW_SUFFIX, TRUNCATIONS_SUFFIX, target_table_name
 
 # Columns every target table carries beside the source's columns.
 VERSION_COLUMN = "_siphon_version"
@@ -81,7 +81,6 @@ class TargetError(RuntimeError):
     """A target refused an operation; the message names the table and what to do."""
 
 
-SHADOW_SUFFIX = "__resync"
 
 
 def shadow_table_name(schema: str, table: str) -> str:
@@ -95,7 +94,7 @@ def truncations_table_name(schema: str, table: str) -> str:
     Tombstones cover the rows a target holds when a TRUNCATE is applied; this also hides rows that
     arrive later with an older version (a snapshot read before the TRUNCATE and landing after it).
     """
-    return f"{target_table_name(schema, table)}__truncations"
+    return f"{target_table_name(schema, table)}{TRUNCATIONS_SUFFIX}"
 
 
 # -- what the checks read (siphon_dagster.checks) ------------------------------------------------

@@ -114,3 +114,18 @@ def test_a_runs_apply_threads_are_the_targets_own_unless_set():
     assert (default.apply_threads_for("clickhouse"), default.apply_threads_for("snowflake")) == (8, 16)
     chosen = parse_config({**VALID, "streaming": {"apply_threads": 24}}).streaming
     assert (chosen.apply_threads_for("clickhouse"), chosen.apply_threads_for("snowflake")) == (24, 24)
+
+
+@pytest.mark.parametrize(("first", "second", "shared", "roles"), [
+    ("public.orders", "public.orders__resync", "public__orders__resync", "the resync table of 'public.orders'"),
+    ("public.prices", "public.prices_current", "public__prices_current", "the current view of 'public.prices'"),
+    ("a__b.c", "a.b__c", "a__b__c", "the table of 'a__b.c'"),
+])
+def test_two_tables_whose_target_objects_would_share_a_name_are_refused(first, second, shared, roles):
+    with pytest.raises(ConfigError, match=rf"'{second}' and '{first}' would both use {shared} at target clickhouse "
+                                          rf"\(the .* of '{second}', {roles}\)"):
+        parse_config({**VALID, "tables": [{"name": first}, {"name": second}]})
+    # At different targets they do not meet.
+    parse_config({**VALID, "targets": {"clickhouse": {"url": "http://127.0.0.1:8123"},
+                                      "snowflake": {"account": "a", "user": "u"}},
+                  "tables": [{"name": first, "targets": ["clickhouse"]}, {"name": second, "targets": ["snowflake"]}]})
