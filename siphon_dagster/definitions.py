@@ -153,7 +153,8 @@ def _checks_after_resync(built: list[dg.Definitions], group: str):
 
         keys = [key for target in targets for key in check_keys(spec, target)]
         failed = []
-        for evaluation in run_checks(built[0], group, keys, context.instance):
+        evaluations = run_checks(built[0], group, keys, context.instance)
+        for evaluation in evaluations:
             line = status_line(evaluation)
             if evaluation.passed:
                 context.log.info(line)
@@ -162,6 +163,13 @@ def _checks_after_resync(built: list[dg.Definitions], group: str):
                 failed.append(line)
             else:
                 context.log.warning(line)
+        # A check that never reported (its run failed before it) proves nothing: the resync fails.
+        reported = {(e.asset_key, e.check_name) for e in evaluations}
+        for key in keys:
+            if (key.asset_key, key.name) not in reported:
+                line = f"FAIL  {key.asset_key.to_user_string()}  {key.name}  did not run (see the checks run's log)"
+                context.log.error(line)
+                failed.append(line)
         return failed
 
     return run

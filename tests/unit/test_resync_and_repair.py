@@ -135,3 +135,30 @@ def test_a_parity_repair_reports_what_row_parity_found_and_what_ran():
     assert not failed.success and "FAILED (run r2)" in failed.lines()[1]
     clean = ParityRepair("public.items", "clickhouse", ParityReport(source_rows=10, buckets=1))
     assert clean.success and clean.lines()[-1] == "public.items at clickhouse: nothing to repair"
+
+
+def test_a_resync_whose_checks_did_not_all_report_fails(monkeypatch):
+    """The checks that end a resync prove it only if each reported: one whose run failed before it
+    evaluated counts as failed, as `siphon-dagster check` counts it."""
+    import dagster as dg
+
+    from siphon_dagster.checks import command
+    from siphon_dagster.checks.definitions import check_keys
+    from siphon_dagster.definitions import _checks_after_resync
+    from siphon_dagster.specs import group_name, table_specs
+    from tests.helpers.instance import instance_for_test
+
+    config = parse_config({"application_identifier": "chk", "source": {"dsn": "postgresql://x@127.0.0.1:1/db"},
+                           "tables": [{"name": "public.notes"}],
+                           "targets": {"clickhouse": {"url": "http://127.0.0.1:1"}}})
+    spec = table_specs(config)[0]
+    keys = check_keys(spec, "clickhouse")
+    first = keys[0]
+    # Only the first check reported (and passed); the others' run ended before them.
+    monkeypatch.setattr(command, "run_checks", lambda *args, **kwargs: [dg.AssetCheckEvaluation(
+        asset_key=first.asset_key, check_name=first.name, passed=True)])
+    run = _checks_after_resync([build_definitions(config)], group_name(config.application_identifier))
+    with instance_for_test() as instance:
+        failed = run(dg.build_op_context(instance=instance), spec, ["clickhouse"])
+    assert [line.split()[2] for line in failed] == [key.name for key in keys[1:]]
+    assert all("did not run" in line for line in failed)
