@@ -19,6 +19,7 @@ from siphon_core import naming
 from siphon_core.config import SiphonConfig
 from siphon_dagster import runs, source
 from siphon_dagster.partitions import BlockRange
+from siphon_dagster.snapshot.load import current_columns, ensure_target_table
 from siphon_dagster.snapshot.reader import exported_snapshot, snapshot_transaction
 from siphon_dagster.specs import TableSpec
 from siphon_dagster.targets import build_target
@@ -104,7 +105,8 @@ def repair_keys(config: SiphonConfig, spec: TableSpec, target: str, keys: list[K
     summary = RepairSummary(spec.qualified_name, target, len(unique))
     dsn = config.source.conninfo(snapshot=True)
     with source.connect(dsn, autocommit=True) as catalog:
-        table = source.table_schema(catalog, spec.table)
+        # With what rows older than each column hold: a column the target lacks yet is added filled.
+        table, existing = current_columns(catalog, spec.table)
     _check_keys(spec, table, unique)
     if not unique:
         return summary
@@ -117,7 +119,7 @@ def repair_keys(config: SiphonConfig, spec: TableSpec, target: str, keys: list[K
     if absent:
         destination = build_target(target, config)
         try:
-            destination.ensure_table(table)
+            ensure_target_table(destination, target)(table, existing)
             summary.tombstoned = destination.apply_rows(
                 table, _tombstones(table, absent, naming.row_version(consistent_point, 0)))
         finally:
